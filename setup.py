@@ -1,0 +1,30 @@
+"""k3jax: JAX/TPU training and decoding for Kimi K3 and its family."""
+from setuptools import find_packages, setup
+
+setup(
+    name="k3jax",
+    version="0.1.0",
+    description="JAX/TPU training and decoding stack for Moonshot AI's Kimi K3 family",
+    python_requires=">=3.12",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    install_requires=[
+        "jax>=0.11.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "grain>=0.2.18",
+        "tokamax>=0.0.12",
+        "tiktoken>=0.14.0",
+        "transformers>=5.24.0",
+        "safetensors>=0.6",
+        "pyyaml>=6.0",
+        "numpy>=2.0",
+        "ml_dtypes>=0.5",
+    ],
+    extras_require={
+        # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.
+        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "pyarrow>=18", "matplotlib>=3.8"],
+        "tpu": ["jax[tpu]>=0.11.2"],
+    },
+)

@@ -1,0 +1,492 @@
+"""Typed configuration: one frozen dataclass tree, one entry syntax.
+
+    python -m k3jax.<tool> configs/base.yml model_name=kimi-k3 key=value ...
+
+Merge order: base.yml < model yml (``model_name``: a name under ``configs/models/`` or a path to a
+``.yml``) < command line. Keys are flat and globally unique (MaxText style); each belongs to one
+section dataclass, and modules receive their section (``cfg.model``, ``cfg.train``, ...). Every
+value is type-checked and coerced from strings. Errors a user can act on are ``ConfigError``s with
+one-line messages; ``main`` entry points print them without a traceback.
+
+Derived quantities (global batch, layer schedule, AttnRes blocks, parameter counts, FLOPs per token)
+are methods here or in ``k3jax.counts``, computed from the config alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message is one actionable line."""
+
+
+def _f(default, help: str, choices: tuple | None = None):  # noqa: A002 - mirrors argparse
+    kw = {"default_factory": (lambda d=default: list(d))} if isinstance(default, list) else {"default": default}
+    return dataclasses.field(metadata={"help": help, "choices": choices}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture. Defaults are a tiny K3-shaped model; configs/models/*.yml override them."""
+    vocab_size: int = _f(512, "vocabulary size (embedding and lm_head rows)")
+    hidden_size: int = _f(64, "model width D")
+    num_layers: int = _f(13, "decoder layers")
+    rms_norm_eps: float = _f(1e-5, "eps of input/post-attention/final/AttnRes/o_norm/latent norms")
+    initializer_range: float = _f(0.02, "std of normal init for embeddings and matrices")
+    tie_word_embeddings: bool = _f(False, "share embedding and lm_head")
+    max_position_embeddings: int = _f(4096, "longest supported position (RoPE tables, cache sizing)")
+    bos_token_id: int = _f(-1, "[BOS] id; -1 = from the tokenizer")
+    eos_token_id: int = _f(-1, "[EOS] id; -1 = from the tokenizer")
+    pad_token_id: int = _f(-1, "padding id (embedding row zeroed at init); -1 = none")
+    # Layer schedule: MLA where l % mla_every == mla_every - 1, plus mla_extra_layers; KDA elsewhere.
+    mla_every: int = _f(4, "MLA period: layer l is MLA when l % mla_every == mla_every-1 (1 = all MLA)")
+    mla_extra_layers: list = _f([12], "further 0-based MLA layers (K3: [92]; Kimi Linear 48B: [26])")
+    first_k_dense: int = _f(1, "leading layers with a dense FFN; the rest use MoE")
+    # KDA
+    kda_num_heads: int = _f(2, "KDA heads")
+    kda_head_dim: int = _f(16, "KDA head dim (K = V)")
+    kda_conv_size: int = _f(4, "causal depthwise short-conv width")
+    kda_gate: str = _f("bounded", "decay gate: bounded = lb*sigmoid(exp(A)*(f+dt)) (K3); softplus (Kimi Linear)", ("bounded", "softplus"))
+    kda_gate_lower_bound: float = _f(-5.0, "lower bound of the bounded gate, per token")
+    kda_gate_rank: int = _f(16, "rank of the f_a/f_b decay projection")
+    kda_output_gate: str = _f("full", "output gate: full-rank g_proj (K3) or low_rank g_a/g_b (Kimi Linear)", ("full", "low_rank"))
+    kda_output_gate_rank: int = _f(16, "rank of the low-rank output gate")
+    # Gated MLA
+    num_attention_heads: int = _f(2, "MLA heads")
+    q_lora_rank: Optional[int] = _f(32, "query LoRA rank; null = direct q_proj")
+    kv_lora_rank: int = _f(32, "compressed KV latent width (cached)")
+    qk_nope_head_dim: int = _f(16, "per-head query/key dims without position")
+    qk_rope_head_dim: int = _f(8, "per-head 'rope' slice; the key slice is shared by all heads")
+    v_head_dim: int = _f(16, "per-head value dim")
+    mla_use_output_gate: bool = _f(True, "elementwise sigmoid output gate after attention (K3)")
+    mla_use_rope: bool = _f(False, "rotate the rope slice (K2/DeepSeek-V3); K3 and Kimi Linear are NoPE")
+    rope_theta: float = _f(10000.0, "RoPE base")
+    rope_scaling_factor: float = _f(1.0, "YaRN factor; 1 = no scaling")
+    rope_original_max_position: int = _f(4096, "YaRN original context length")
+    rope_beta_fast: float = _f(32.0, "YaRN beta_fast")
+    rope_beta_slow: float = _f(1.0, "YaRN beta_slow")
+    rope_mscale: float = _f(1.0, "YaRN mscale")
+    rope_mscale_all_dim: float = _f(0.0, "YaRN mscale_all_dim (softmax-scale correction)")
+    # FFN
+    ffn_activation: str = _f("situ", "GLU activation: situ (K3) or swiglu (Kimi Linear, K2)", ("situ", "swiglu"))
+    situ_beta: float = _f(4.0, "SiTU gate-branch beta")
+    situ_linear_beta: float = _f(25.0, "SiTU linear-branch beta")
+    intermediate_size: int = _f(128, "dense FFN width (layers < first_k_dense)")
+    # MoE
+    num_experts: int = _f(8, "routed experts")
+    num_experts_per_token: int = _f(2, "top-k")
+    num_shared_experts: int = _f(1, "shared experts (one fused MLP of width n * moe_intermediate_size)")
+    moe_intermediate_size: int = _f(32, "routed expert width F")
+    moe_latent_size: Optional[int] = _f(48, "latent width of routed experts (K3 LatentMoE); null = full width")
+    moe_latent_norm: bool = _f(True, "RMSNorm of the combined routed output in the latent (K3)")
+    routed_scaling_factor: float = _f(1.0, "multiplier of the routed combine weights")
+    moe_renormalize: bool = _f(True, "renormalise top-k weights to sum 1")
+    router_weights_from_biased: bool = _f(False, "gather weights from biased scores (Kimi Linear remote-code quirk)")
+    n_group: int = _f(1, "expert groups for grouped top-k")
+    topk_group: int = _f(1, "groups kept in grouped top-k")
+    # Block Attention Residuals
+    attn_res: bool = _f(True, "Block Attention Residuals (K3) instead of plain residual adds")
+    attn_res_block_size: int = _f(8, "decoder layers per AttnRes block (K3: 12)")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def mla_layer_set(self) -> frozenset:
+        per = {l for l in range(self.num_layers) if l % self.mla_every == self.mla_every - 1}
+        return frozenset(per | set(self.mla_extra_layers))
+
+    def mixer(self, layer: int) -> str:
+        return "mla" if layer in self.mla_layer_set else "kda"
+
+    def ffn(self, layer: int) -> str:
+        return "dense" if layer < self.first_k_dense else "moe"
+
+    @property
+    def schedule(self) -> list[tuple[str, str]]:
+        """Per layer (mixer, ffn) kinds, e.g. [("kda", "dense"), ("kda", "moe"), ...]."""
+        return [(self.mixer(l), self.ffn(l)) for l in range(self.num_layers)]
+
+    @property
+    def attn_res_block_starts(self) -> list[int]:
+        if not self.attn_res:
+            return []
+        return list(range(0, self.num_layers, self.attn_res_block_size))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def routed_width(self) -> int:
+        """Width the routed experts see: the latent (K3) or the model width."""
+        return self.moe_latent_size or self.hidden_size
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
+    kda_chunk_size: int = _f(64, "KDA chunk length")
+    attention_impl: str = _f("jnp", "MLA prefill attention: jnp | tokamax", ("jnp", "tokamax"))
+    moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
+    moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
+    capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
+    pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
+    loss_chunk_size: int = _f(1024, "tokens per chunk of the memory-light cross-entropy")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps")
+    per_device_batch_size: float = _f(2, "sequences per device per step (fractions allowed when < 1 device row)")
+    max_target_length: int = _f(64, "sequence length")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    learning_rate: float = _f(3e-3, "peak learning rate")
+    lr_schedule: str = _f("wsd", "wsd | cosine | constant", ("wsd", "cosine", "constant"))
+    warmup_steps_fraction: float = _f(0.05, "fraction of steps spent warming up")
+    lr_decay_fraction: float = _f(0.2, "WSD: fraction of steps spent decaying to lr_final_fraction")
+    lr_final_fraction: float = _f(0.1, "final lr as a fraction of the peak")
+    opt_type: str = _f("muon", "muon | adamw", ("muon", "adamw"))
+    muon_consistent_rms: Optional[float] = _f(0.2, "Muon update RMS matching AdamW (Moonlight); null = off")
+    muon_weight_decay: float = _f(0.1, "decoupled weight decay of Muon leaves")
+    adam_weight_decay: float = _f(0.1, "decoupled weight decay of AdamW leaves")
+    adam_b1: float = _f(0.9, "AdamW beta1")
+    adam_b2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW eps")
+    mu_dtype: str = _f("float32", "dtype of optimizer moments", ("float32", "bfloat16"))
+    use_qk_clip: bool = _f(True, "MuonClip: rescale MLA q/k heads whose max logit exceeds the threshold")
+    qk_clip_threshold: float = _f(100.0, "QK-clip max-logit threshold tau")
+    gradient_clipping_threshold: float = _f(1.0, "global-norm gradient clip; 0 = off")
+    z_loss_weight: float = _f(0.0, "weight of the log(Z)^2 auxiliary loss")
+    router_bias_update_rate: float = _f(1e-3, "aux-loss-free bias update rate; 0 = frozen")
+    moe_aux_loss_coef: float = _f(0.0, "sequence-level balance loss weight")
+    nan_policy: str = _f("stop", "non-finite loss: stop (keep last good checkpoint) | skip the step", ("stop", "skip"))
+    freeze: list = _f([], "modules kept frozen: any of embed, attention, kda, mla, moe, experts, router, norms, lm_head")
+    seed: int = _f(0, "parameter-init and dropout seed")
+    dtype: str = _f("float32", "activation dtype", ("float32", "bfloat16"))
+    weight_dtype: str = _f("float32", "parameter dtype", ("float32", "bfloat16"))
+    remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
+    scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
+    log_period: int = _f(10, "steps between log lines")
+    peak_tflops: Optional[float] = _f(None, "peak TFLOP/s per device for MFU; null = known table or a CPU measurement")
+    enable_tensorboard: bool = _f(True, "write TensorBoard scalars")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft"))
+    dataset_path: Optional[str] = _f(None, "glob of data files (not needed for synthetic)")
+    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = a tiny built-in one")
+    data_shuffle: bool = _f(True, "shuffle records")
+    data_seed: int = _f(42, "data order seed")
+    bad_data: str = _f("skip", "malformed records: skip (counted, warned) | fatal", ("skip", "fatal"))
+    text_key: str = _f("text", "JSON/Parquet field holding the text")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    base_output_directory: str = _f("runs", "root of run directories")
+    run_name: str = _f("tiny", "run directory name under base_output_directory")
+    enable_checkpointing: bool = _f(True, "save checkpoints")
+    checkpoint_period: int = _f(100, "steps between checkpoints (the last step is always saved)")
+    max_checkpoints_to_keep: int = _f(3, "keep the last K checkpoints")
+    async_checkpointing: bool = _f(True, "save in the background")
+    load_parameters_path: Optional[str] = _f(None, "start from these parameters (a checkpoint step dir, a run dir or a converter output)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    ici_data_parallelism: int = _f(1, "data axis within a slice")
+    ici_fsdp_parallelism: int = _f(-1, "fsdp axis within a slice; -1 fills the remaining devices")
+    ici_expert_parallelism: int = _f(1, "expert axis within a slice")
+    ici_tensor_parallelism: int = _f(1, "tensor axis within a slice")
+    dcn_data_parallelism: int = _f(1, "data axis across slices")
+    dcn_fsdp_parallelism: int = _f(1, "fsdp axis across slices")
+    dcn_expert_parallelism: int = _f(1, "expert axis across slices")
+    dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
+    enable_distributed: bool = _f(False, "call jax.distributed.initialize() (multi-host TPU VMs)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    prompt: str = _f("I love to", "text to continue")
+    max_new_tokens: int = _f(32, "tokens to generate per prompt")
+    max_prefill_length: int = _f(0, "prompt budget; 0 = max_target_length")
+    sampling: str = _f("greedy", "greedy | sample", ("greedy", "sample"))
+    temperature: float = _f(1.0, "softmax temperature (sample)")
+    top_k: int = _f(0, "keep the k most likely tokens; 0 = off")
+    top_p: float = _f(1.0, "nucleus probability mass; 1 = off")
+    decode_seed: int = _f(0, "sampling seed")
+    chat: bool = _f(False, "wrap the prompt in the Kimi chat template")
+    stream: bool = _f(True, "print tokens as they are produced")
+
+
+SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig}
+TOP_LEVEL = ("model_name",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model_name: str
+    model: ModelConfig
+    kernel: KernelConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    mesh: MeshConfig
+    decode: DecodeConfig
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_name": self.model_name}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.checkpoint.base_output_directory) / self.checkpoint.run_name
+
+    def global_batch_size(self, num_devices: int) -> int:
+        return max(1, int(round(self.train.per_device_batch_size * num_devices)))
+
+
+def _key_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    idx = {}
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in idx, f"duplicate config key {f.name}"
+            idx[f.name] = (sec, f)
+    return idx
+
+
+KEYS = _key_index()
+
+
+def all_keys() -> list[str]:
+    return list(TOP_LEVEL) + list(KEYS)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Coerce ``value`` (a YAML value or a command-line string) to the declared type of ``key``."""
+    sec, f = KEYS[key]
+    tp = typing.get_type_hints(SECTIONS[sec])[key]
+    if isinstance(value, str) and tp is not str:
+        try:
+            value = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}={value!r}: cannot parse the value") from None
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if optional else tp
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none") and base is not str):
+        if optional:
+            return None
+        raise ConfigError(f"{key}: null is not allowed (expected {_type_name(base)})")
+    ok = True
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif base is str:
+        value = value if isinstance(value, str) else str(value)
+    elif base is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        ok = isinstance(value, list)
+        value = list(value) if ok else value
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(base)}, got {type(value).__name__}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(choices)}")
+    return value
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{near[0]}'?" if near else "; run `python -m k3jax.config configs/base.yml` to list keys"
+    return ConfigError(f"unknown config key '{key}' ({where}){hint}")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value")
+    return data
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in (REPO_CONFIGS / "models").glob("*.yml"))
+
+
+def resolve_model_path(model_name: str, base_dir: Path) -> Path:
+    if model_name.endswith((".yml", ".yaml")) or os.sep in model_name:
+        p = Path(model_name)
+        if p.is_dir():
+            p = p / "model.yml"
+        if not p.exists():
+            raise ConfigError(f"model_name={model_name}: file not found")
+        return p
+    for root in (base_dir / "models", REPO_CONFIGS / "models"):
+        if (root / f"{model_name}.yml").exists():
+            return root / f"{model_name}.yml"
+    raise ConfigError(f"unknown model_name '{model_name}'; available: {', '.join(available_models())}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    out = {}
+    for a in args:
+        if "=" not in a:
+            raise ConfigError(f"argument '{a}' is not key=value")
+        k, v = a.split("=", 1)
+        out[k.strip().lstrip("-")] = v
+    return out
+
+
+def load(base: str | Path = REPO_CONFIGS / "base.yml", overrides: list[str] | dict | None = None) -> Config:
+    """Load base.yml, then the model yml named by ``model_name``, then ``overrides``; validate."""
+    base = Path(base)
+    cli = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    values: dict[str, Any] = {}
+    for k, v in _read_yaml(base).items():
+        if k not in KEYS and k not in TOP_LEVEL:
+            raise _unknown(k, str(base))
+        values[k] = v
+    model_name = str(cli.get("model_name", values.get("model_name", "default")))
+    if model_name not in ("", "default"):
+        mpath = resolve_model_path(model_name, base.parent)
+        for k, v in _read_yaml(mpath).items():
+            if k not in KEYS:
+                raise _unknown(k, str(mpath))
+            values[k] = v
+    for k, v in cli.items():
+        if k not in KEYS and k not in TOP_LEVEL:
+            raise _unknown(k, "command line")
+        values[k] = v
+    values["model_name"] = model_name
+    sections = {sec: {} for sec in SECTIONS}
+    for k, v in values.items():
+        if k in TOP_LEVEL:
+            continue
+        sections[KEYS[k][0]][k] = coerce(k, v)
+    cfg = Config(model_name=model_name, **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Consistency checks that need no devices; ``num_devices`` adds the mesh checks."""
+    m, t, k = cfg.model, cfg.train, cfg.kernel
+    positive = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
+                "kda_num_heads": m.kda_num_heads, "kda_head_dim": m.kda_head_dim, "num_attention_heads":
+                m.num_attention_heads, "num_experts_per_token": m.num_experts_per_token, "steps": t.steps,
+                "max_target_length": t.max_target_length, "mla_every": m.mla_every,
+                "kda_chunk_size": k.kda_chunk_size, "attn_res_block_size": m.attn_res_block_size,
+                "gradient_accumulation_steps": t.gradient_accumulation_steps}
+    for name, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{name}={v}: must be positive")
+    if t.per_device_batch_size <= 0:
+        raise ConfigError(f"per_device_batch_size={t.per_device_batch_size}: must be positive")
+    bad = [l for l in m.mla_extra_layers if not (isinstance(l, int) and 0 <= l < m.num_layers)]
+    if bad:
+        raise ConfigError(f"mla_extra_layers={m.mla_extra_layers}: layers {bad} are outside 0..{m.num_layers - 1} "
+                          f"(the layer schedule must have num_layers={m.num_layers} entries)")
+    if not 0 <= m.first_k_dense <= m.num_layers:
+        raise ConfigError(f"first_k_dense={m.first_k_dense}: must be within 0..num_layers={m.num_layers}")
+    if m.first_k_dense < m.num_layers:
+        if m.num_experts_per_token > m.num_experts:
+            raise ConfigError(f"num_experts_per_token={m.num_experts_per_token} exceeds num_experts={m.num_experts}")
+        if m.num_experts % m.n_group or m.topk_group > m.n_group:
+            raise ConfigError(f"n_group={m.n_group}, topk_group={m.topk_group}: n_group must divide num_experts="
+                              f"{m.num_experts} and topk_group <= n_group")
+    if m.attn_res and m.attn_res_block_size > m.num_layers:
+        raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
+    if k.kda_chunk_size % 16:
+        raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a multiple of 16 (sub-block size)")
+    if m.mla_use_rope and m.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
+    if not set(t.freeze) <= FREEZABLE:
+        raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
+    if num_devices is not None:
+        from k3jax.sharding import mesh_shape  # validates products and divisibility
+        mesh_shape(cfg, num_devices)
+
+
+FREEZABLE = frozenset({"embed", "attention", "kda", "mla", "moe", "experts", "router", "norms", "lm_head", "attn_res"})
+
+
+def describe(cfg: Config) -> str:
+    """Human-readable resolved config with the derived quantities."""
+    from k3jax import counts
+    lines = [f"# resolved config: model_name={cfg.model_name}"]
+    for sec in SECTIONS:
+        lines.append(f"## {sec}")
+        for key, val in dataclasses.asdict(getattr(cfg, sec)).items():
+            lines.append(f"{key}: {val!r}")
+    m = cfg.model
+    sched = cfg.model.schedule
+    n_mla = sum(1 for mx, _ in sched if mx == "mla")
+    total, active = counts.param_counts(m)
+    lines += ["## derived",
+              f"layers: {m.num_layers} = {m.num_layers - n_mla} KDA + {n_mla} MLA; "
+              f"dense FFN layers: {m.first_k_dense}; MoE layers: {m.num_layers - m.first_k_dense}",
+              f"MLA layers (0-based): {sorted(m.mla_layer_set)}",
+              f"AttnRes block starts: {m.attn_res_block_starts or 'off'}",
+              f"parameters: total {counts.human(total)} ({total:,}), active per token {counts.human(active)} ({active:,})",
+              f"training FLOPs per token at T={cfg.train.max_target_length}: "
+              f"{counts.human(counts.train_flops_per_token(m, cfg.train.max_target_length, cfg.kernel.kda_chunk_size))}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    return run_cli(lambda: print(describe(load_from_argv(argv))))
+
+
+def load_from_argv(argv: list[str]) -> Config:
+    """``configs/base.yml key=value ...`` (the base path may be omitted)."""
+    if argv and "=" not in argv[0]:
+        return load(argv[0], argv[1:])
+    return load(REPO_CONFIGS / "base.yml", argv)
+
+
+def run_cli(fn) -> int:
+    """Run an entry point, turning ConfigError (and other user errors) into one line + exit 2."""
+    import sys
+    try:
+        fn()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

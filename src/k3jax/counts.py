@@ -1,0 +1,126 @@
+"""Parameter counts and analytic FLOPs per token, from the model config alone.
+
+The counts follow the checkpoint shapes of k3-architecture.md §8 (and §9 for Kimi Linear), one term
+per weight; `model.abstract()` must agree with them exactly (tested). FLOPs count a multiply-add as 2.
+
+Letters: D hidden, V vocab, H heads, dk/dv head dims, P = H*dk, C KDA chunk, T sequence length,
+E experts, k top-k, L routed width (latent), F expert width, S AttnRes sources.
+"""
+from __future__ import annotations
+
+
+def kda_params(m) -> int:
+    d, h, dk = m.hidden_size, m.kda_num_heads, m.kda_head_dim
+    p = h * dk
+    n = 3 * p * d + 3 * p * m.kda_conv_size               # q/k/v projections + depthwise convs
+    n += m.kda_gate_rank * d + p * m.kda_gate_rank         # f_a, f_b
+    n += h + p                                             # A_log (one per head), dt_bias
+    n += h * d + dk                                        # b_proj, o_norm (shared by heads)
+    if m.kda_output_gate == "full":
+        n += p * d                                         # g_proj
+    else:
+        n += m.kda_output_gate_rank * d + p * m.kda_output_gate_rank   # g_a, g_b
+    return n + d * p                                       # o_proj
+
+
+def mla_params(m) -> int:
+    d, h = m.hidden_size, m.num_attention_heads
+    qk, dv, r = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+    if m.q_lora_rank:
+        n = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk
+    else:
+        n = d * h * qk
+    n += d * (r + m.qk_rope_head_dim) + r                  # kv_a_proj_with_mqa, kv_a_layernorm
+    n += r * h * (m.qk_nope_head_dim + dv)                 # kv_b_proj
+    if m.mla_use_output_gate:
+        n += d * h * dv                                    # g_proj
+    return n + h * dv * d                                  # o_proj
+
+
+def dense_ffn_params(m) -> int:
+    return 3 * m.hidden_size * m.intermediate_size
+
+
+def expert_params(m) -> int:
+    """One routed expert (gate, up, down) at the routed width."""
+    return 3 * m.routed_width * m.moe_intermediate_size
+
+
+def moe_params(m, *, active: bool) -> int:
+    d, e = m.hidden_size, m.num_experts
+    n = e * d + e                                           # router + e_score_correction_bias
+    if m.moe_latent_size:
+        n += 2 * d * m.moe_latent_size + (m.moe_latent_size if m.moe_latent_norm else 0)
+    n += (m.num_experts_per_token if active else e) * expert_params(m)
+    return n + 3 * d * m.num_shared_experts * m.moe_intermediate_size
+
+
+def layer_params(m, layer: int, *, active: bool = False) -> int:
+    d = m.hidden_size
+    n = 2 * d                                               # input / post-attention norms
+    if m.attn_res:
+        n += 4 * d                                          # two (res_proj, res_norm) pairs
+    n += kda_params(m) if m.mixer(layer) == "kda" else mla_params(m)
+    n += dense_ffn_params(m) if m.ffn(layer) == "dense" else moe_params(m, active=active)
+    return n
+
+
+def param_counts(m) -> tuple[int, int]:
+    """(total, active per token). Active excludes the input embedding (a lookup, not compute) and
+    counts k of E routed experts; K3: ~2.78T total, ~104.2B active (k3-architecture.md §1)."""
+    d, v = m.hidden_size, m.vocab_size
+    glob = d + (2 * d if m.attn_res else 0)                 # final norm (+ output AttnRes pair)
+    head = 0 if m.tie_word_embeddings else v * d
+    total = v * d + head + glob + sum(layer_params(m, l) for l in range(m.num_layers))
+    active = v * d + glob + sum(layer_params(m, l, active=True) for l in range(m.num_layers))
+    return total, active
+
+
+def kda_chunked_flops_per_token(h: int, dk: int, dv: int, chunk: int) -> float:
+    """Forward FLOPs per token of the chunked KDA core (all heads).
+
+    Per head and token: intra-chunk scores A_kk and A_qk (2·C·dk each, full C x C blocks), the
+    triangular solve (C² / 2 multiply-adds ~ C²), u = A v and w = A (k·γ) (2·C·dv + 2·C·dk),
+    intra output (2·C·dv), and state work: w S, q S, kᵀ u updates (3 x 2·dk·dv) plus the decay (dk·dv).
+    """
+    c = chunk
+    per_head = 2 * c * dk * 3 + c * c + 2 * c * dv * 2 + 7 * dk * dv
+    return float(h * per_head)
+
+
+def mla_attention_flops_per_token(m, seq_len: int) -> float:
+    """Causal attention core, forward: scores (qk) and values (dv) against T/2 keys on average."""
+    return 2.0 * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * seq_len / 2
+
+
+def attn_res_flops_per_token(m) -> float:
+    """Each site: RMS of S sources (3·D each), S dots with γ·w (2·D), a weighted sum (2·D)."""
+    if not m.attn_res:
+        return 0.0
+    total = 0.0
+    for l in range(m.num_layers):
+        sources = 1 + sum(1 for s in m.attn_res_block_starts if s <= l) + 1
+        total += 2 * sources * 7 * m.hidden_size
+    return total + (1 + len(m.attn_res_block_starts)) * 7 * m.hidden_size
+
+
+def forward_flops_per_token(m, seq_len: int, kda_chunk: int = 64) -> float:
+    _, active = param_counts(m)
+    matmul = 2.0 * (active - m.hidden_size * (1 + (2 if m.attn_res else 0)))  # norms are not matmuls
+    n_mla = len(m.mla_layer_set)
+    n_kda = m.num_layers - n_mla
+    core = n_mla * mla_attention_flops_per_token(m, seq_len)
+    core += n_kda * kda_chunked_flops_per_token(m.kda_num_heads, m.kda_head_dim, m.kda_head_dim, kda_chunk)
+    return matmul + core + attn_res_flops_per_token(m)
+
+
+def train_flops_per_token(m, seq_len: int, kda_chunk: int = 64) -> float:
+    """Forward + backward (= 3 x forward), without rematerialisation (model FLOPs, for MFU)."""
+    return 3.0 * forward_flops_per_token(m, seq_len, kda_chunk)
+
+
+def human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"

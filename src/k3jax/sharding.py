@@ -1,0 +1,171 @@
+"""Device mesh and logical-axis sharding.
+
+Every parameter and activation names its axes with the short logical vocabulary below; one rules
+table maps those names to the mesh axes ``data``, ``fsdp``, ``expert``, ``tensor``. No mesh axis name
+appears under ``layers/``. The mesh uses ``AxisType.Auto`` (classic GSPMD propagation): parameters
+and batches carry NamedShardings, activations are pinned with ``constrain``, and jitted steps pin
+their output shardings to their inputs' (ecosystem.md §1).
+
+See docs/sharding.md for the table and its reasoning.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.config import Config, ConfigError
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Logical name -> mesh axis (or tuple of axes, or None = replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),  # every device holds distinct rows of the batch
+    "seq": None,
+    "act_embed": None,                    # hidden width of activations stays whole
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",                      # FSDP: weights sharded on their model-width axis
+    "heads": "tensor",                    # the flattened heads*head_dim axis of projections
+    "mlp": "tensor",
+    "exp": "expert",
+    "rank": None,                         # small LoRA / low-rank / latent-norm axes
+    "layers": None,                       # scan-stacked axis
+    "norm": None,                         # vectors: norm weights, biases, per-channel constants
+    # decode cache
+    "cache_seq": None,
+}
+
+
+def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P:
+    """Map logical axis names to a PartitionSpec, dropping a mesh axis already used earlier."""
+    rules = RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"unknown logical axis '{name}'; known: {sorted(rules)}")
+        axes = rules[name]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def logical_sharding(mesh: Mesh, names: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names))
+
+
+def _fits(shape: Sequence[int], spec: P, mesh: Mesh) -> P:
+    """Replicate any dimension its mesh axes do not divide (tiny configs on big meshes)."""
+    fixed = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if axes is None:
+            fixed.append(None)
+            continue
+        size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        fixed.append(axes if dim % size == 0 else None)
+    return P(*fixed)
+
+
+def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+    """NamedSharding for an array of ``shape`` with logical ``names`` (divisibility-checked)."""
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    return NamedSharding(mesh, _fits(shape, logical_to_spec(names), mesh))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = _fits(x.shape, logical_to_spec(names), mesh)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh construction
+# ---------------------------------------------------------------------------------------------
+
+def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
+    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
+    m = cfg.mesh
+    ici = {a: getattr(m, f"ici_{a}_parallelism") for a in MESH_AXES}
+    dcn = {a: getattr(m, f"dcn_{a}_parallelism") for a in MESH_AXES}
+    for where, sizes in (("ici", ici), ("dcn", dcn)):
+        for a, s in sizes.items():
+            if s == 0 or s < -1 or (where == "dcn" and s < 1):
+                raise ConfigError(f"{where}_{a}_parallelism={s}: must be a positive size" +
+                                  (" or -1 (fill)" if where == "ici" else ""))
+    dcn_prod = math.prod(dcn.values())
+    if dcn_prod != num_slices:
+        raise ConfigError(f"dcn parallelism product {dcn_prod} != number of slices {num_slices}")
+    per_slice, rem = divmod(num_devices, num_slices)
+    if rem:
+        raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
+    fills = [a for a, s in ici.items() if s == -1]
+    if len(fills) > 1:
+        raise ConfigError(f"only one ici_*_parallelism may be -1, got {', '.join(fills)}")
+    known = math.prod(s for s in ici.values() if s != -1)
+    if fills:
+        if per_slice % known:
+            raise ConfigError(f"ici parallelism {known} (without the -1 axis) does not divide the "
+                              f"{per_slice} devices per slice")
+        ici[fills[0]] = per_slice // known
+    if math.prod(ici.values()) != per_slice:
+        desc = " x ".join(f"{a}={s}" for a, s in ici.items())
+        raise ConfigError(f"mesh {desc} = {math.prod(ici.values())} devices, but {per_slice} are "
+                          f"available per slice; set one ici_*_parallelism=-1 or fix the sizes")
+    mc = cfg.model
+    ep = ici["expert"] * dcn["expert"]
+    if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
+        raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep}")
+    tp = ici["tensor"] * dcn["tensor"]
+    for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
+        if heads % tp:
+            raise ConfigError(f"{name}={heads} is not divisible by tensor parallelism {tp}")
+    return ici, dcn
+
+
+def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
+    """Build the (data, fsdp, expert, tensor) mesh for ``devices`` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    ici, dcn = mesh_shape(cfg, len(devices), num_slices)
+    names = MESH_AXES
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+        arr = mesh_utils.create_hybrid_device_mesh([ici[a] for a in names], [dcn[a] for a in names],
+                                                   devices=devices)
+        return Mesh(arr, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    shape = [ici[a] for a in names]
+    try:
+        return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+                             devices=devices)
+    except (ValueError, NotImplementedError):
+        # Topology-aware placement needs a physical layout the mesh shape may not match
+        # (e.g. CPU or a sub-slice); a row-major reshape is then the only sensible order.
+        arr = np.asarray(devices, dtype=object).reshape(shape)
+        return Mesh(arr, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def maybe_initialize_distributed(cfg: Config) -> None:
+    """Multi-host TPU VMs: jax.distributed.initialize() discovers the coordinator itself."""
+    if cfg.mesh.enable_distributed:
+        jax.distributed.initialize()
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))

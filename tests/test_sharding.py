@@ -1,0 +1,82 @@
+"""Mesh construction on 8 fake CPU devices and logical-axis rule resolution."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import config as C
+from k3jax import sharding as S
+
+
+def cfg(*args):
+    return C.load(C.REPO_CONFIGS / "base.yml", list(args))
+
+
+@pytest.mark.parametrize("args,shape", [
+    ([], (1, 8, 1, 1)),
+    (["ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 2, 1)),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], (1, 2, 4, 1)),
+    (["ici_fsdp_parallelism=1", "ici_tensor_parallelism=2", "ici_data_parallelism=-1"], (4, 1, 1, 2)),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 2, 1)),
+])
+def test_mesh_shapes(args, shape):
+    mesh = S.make_mesh(cfg(*args))
+    assert mesh.axis_names == S.MESH_AXES
+    assert tuple(mesh.shape[a] for a in S.MESH_AXES) == shape
+    assert len(set(mesh.devices.flat)) == 8
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["ici_fsdp_parallelism=3"], "mesh data=1 x fsdp=3"),
+    (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "only one"),
+    (["ici_expert_parallelism=3"], "does not divide the 8 devices"),
+    (["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "ici_data_parallelism=1"],
+     "num_experts=8 is not divisible" if False else None),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "num_experts=6", "num_experts_per_token=2"],
+     "num_experts=6 is not divisible by expert parallelism 4"),
+    (["ici_fsdp_parallelism=2", "ici_tensor_parallelism=4", "num_attention_heads=2"],
+     "is not divisible by tensor parallelism 4"),
+    (["dcn_data_parallelism=2"], "dcn parallelism product 2 != number of slices 1"),
+    (["ici_data_parallelism=0"], "must be a positive size"),
+])
+def test_impossible_meshes(args, fragment):
+    if fragment is None:
+        S.make_mesh(cfg(*args))  # 8 experts over expert=8 is fine
+        return
+    with pytest.raises(C.ConfigError, match=fragment.replace("(", r"\(")):
+        S.make_mesh(cfg(*args))
+
+
+def test_rules_resolution():
+    assert S.logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp", "expert"), None, None)
+    assert S.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert S.logical_to_spec(("layers", "exp", "embed", "mlp")) == P(None, "expert", "fsdp", "tensor")
+    # A mesh axis is used at most once per spec.
+    assert S.logical_to_spec(("batch", "embed")) == P(("data", "fsdp", "expert"), None)
+    with pytest.raises(KeyError, match="unknown logical axis"):
+        S.logical_to_spec(("bogus",))
+
+
+def test_sharding_for_replicates_indivisible_dims():
+    mesh = S.make_mesh(cfg("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "num_attention_heads=2", "kda_num_heads=2"))
+    assert S.sharding_for(mesh, (64, 32), ("embed", "mlp")).spec == P("fsdp", "tensor")
+    assert S.sharding_for(mesh, (6, 32), ("embed", "mlp")).spec == P(None, "tensor")
+    with pytest.raises(ValueError, match="do not match shape"):
+        S.sharding_for(mesh, (6,), ("embed", "mlp"))
+
+
+def test_constrain_places_activations():
+    mesh = S.make_mesh(cfg("ici_fsdp_parallelism=2", "ici_data_parallelism=4"))
+    x = jnp.arange(8 * 4 * 2, dtype=jnp.float32).reshape(8, 4, 2)
+    assert S.constrain(x, ("batch", None, None)) is x  # no mesh context: unchanged
+
+    @jax.jit
+    def f(x):
+        return S.constrain(x * 2, ("batch", None, None))
+
+    with jax.set_mesh(mesh):
+        y = f(x)
+    assert y.sharding.spec == P(("data", "fsdp", "expert"), None, None) or \
+        y.sharding.is_equivalent_to(S.batch_sharding(mesh, 3), 3)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
