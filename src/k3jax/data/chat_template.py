@@ -1,0 +1,193 @@
+"""Kimi K2-style chat template rendered straight to ids, plus a jinja path for parity checks.
+
+Shape (formats.md §3.5), one turn per message, no separators between turns:
+
+    if tools:    <|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>
+    if messages[0] is not system:
+                 <|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>
+    per message: <|im_{user|assistant|system}|>{name or role}<|im_middle|>{content}[calls]<|im_end|>
+    role "tool": <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>
+    generation:  <|im_assistant|>assistant<|im_middle|>
+    [calls]:     <|tool_calls_section_begin|>, per call <|tool_call_begin|>{id or
+                 functions.NAME:IDX}<|tool_call_argument_begin|>{arguments json}
+                 <|tool_call_end|>, then <|tool_calls_section_end|>
+
+Control tokens are inserted as ids; everything a message carries (content, names, ids, tool
+arguments) is encoded as ORDINARY text, so a user typing "<|im_end|>" cannot end a turn. The
+loss mask is 1 on exactly the tokens the assistant produces: its content, tool calls and the
+closing <|im_end|> (the stop token it must learn), 0 on headers, prompts and other roles.
+
+K3 uses different markup (`<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>`): render K3
+prompts from the checkpoint's own jinja with `render_with_jinja`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from k3jax.data.tokenizer import CHAT_TOKENS, KimiTokenizer, TokenizerError
+
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+ROLE_TOKEN = {"user": "<|im_user|>", "assistant": "<|im_assistant|>", "system": "<|im_system|>"}
+
+Message = Mapping[str, Any]
+# A rendered piece: ("special", name) a prompt-side control token, ("special_out", name) one the
+# assistant emits (mask 1), or ("text", (str, mask)) ordinary text.
+_Segment = tuple[str, Any]
+
+
+def _content_text(message: Message) -> str:
+    """String content, or the concatenated `text` parts of a list content; None -> ""."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        out = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, got {part!r}")
+            out.append(str(part["text"]))
+        return "".join(out)
+    raise ValueError(f"message content must be a string or a list of parts, got {content!r}")
+
+
+def _tool_call_segments(calls: Sequence[Mapping[str, Any]]) -> list[_Segment]:
+    """The assistant's tool-call section (all of it is assistant output: mask 1)."""
+    segs: list[_Segment] = [("special_out", "<|tool_calls_section_begin|>")]
+    for idx, call in enumerate(calls):
+        fn = call["function"]
+        call_id = call.get("id") or f"functions.{fn['name']}:{idx}"
+        args = fn["arguments"]
+        # transformers' `tojson` filter is json.dumps(ensure_ascii=False) with default spacing.
+        args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        segs += [("special_out", "<|tool_call_begin|>"), ("text", (str(call_id), 1)),
+                 ("special_out", "<|tool_call_argument_begin|>"), ("text", (args_text, 1)),
+                 ("special_out", "<|tool_call_end|>")]
+    segs.append(("special_out", "<|tool_calls_section_end|>"))
+    return segs
+
+
+def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
+              tools: Sequence[Mapping[str, Any]] | None,
+              default_system: str | None) -> list[_Segment]:
+    """Template structure as ("special", name) / ("text", (str, mask)) pieces, in order."""
+    segs: list[_Segment] = []
+    if tools:
+        segs += [("special", "<|im_system|>"), ("text", ("tool_declare", 0)),
+                 ("special", "<|im_middle|>"),
+                 ("text", (json.dumps(list(tools), ensure_ascii=False), 0)),
+                 ("special", "<|im_end|>")]
+    if messages and messages[0].get("role") != "system" and default_system is not None:
+        segs += [("special", "<|im_system|>"), ("text", ("system", 0)),
+                 ("special", "<|im_middle|>"), ("text", (default_system, 0)),
+                 ("special", "<|im_end|>")]
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            body = f"## Return of {message.get('tool_call_id')}\n{_content_text(message)}"
+            segs += [("special", "<|im_system|>"), ("text", ("tool", 0)),
+                     ("special", "<|im_middle|>"), ("text", (body, 0)),
+                     ("special", "<|im_end|>")]
+            continue
+        if role not in ROLE_TOKEN:
+            raise ValueError(f"unknown role {role!r}")
+        out = 1 if role == "assistant" else 0
+        segs += [("special", ROLE_TOKEN[role]), ("text", (message.get("name") or role, 0)),
+                 ("special", "<|im_middle|>"), ("text", (_content_text(message), out))]
+        if role == "assistant" and message.get("tool_calls"):
+            segs += _tool_call_segments(message["tool_calls"])
+        segs.append(("special_out" if out else "special", "<|im_end|>"))
+    if add_generation_prompt:
+        segs += [("special", "<|im_assistant|>"), ("text", ("assistant", 0)),
+                 ("special", "<|im_middle|>")]
+    return segs
+
+
+def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
+           add_generation_prompt: bool = True,
+           tools: Sequence[Mapping[str, Any]] | None = None,
+           default_system: str | None = DEFAULT_SYSTEM) -> tuple[list[int], list[int]]:
+    """Render a conversation to token ids and a per-token loss mask.
+
+    Args:
+      tokenizer: a `KimiTokenizer` with the K2 chat control tokens.
+      messages: `[{"role": "system"|"user"|"assistant"|"tool", "content": str | [text parts],
+        optional "name", "tool_calls", "tool_call_id"}, ...]`.
+      add_generation_prompt: append `<|im_assistant|>assistant<|im_middle|>` (inference); use
+        False for training on complete conversations.
+      tools: optional tool schemas, declared in a leading `tool_declare` system turn.
+      default_system: injected when the first message is not a system one (Kimi's template
+        does this); None disables the injection.
+    Returns:
+      `(ids, mask)`: two equal-length lists of ints; mask[i] = 1 iff token i is assistant
+      output (content, tool calls, closing <|im_end|>). The training target weight of position
+      t is mask[t + 1].
+    """
+    missing = [t for t in CHAT_TOKENS if t not in tokenizer.special_ids]
+    if missing:
+        raise TokenizerError(f"tokenizer lacks the K2 chat tokens {missing}; render K3-style "
+                             "templates with render_with_jinja")
+    ids: list[int] = []
+    mask: list[int] = []
+    for kind, value in _segments(messages, add_generation_prompt=add_generation_prompt,
+                                 tools=tools, default_system=default_system):
+        if kind == "text":
+            text, m = value
+            piece = tokenizer.encode(text)  # ordinary text: special strings are not control
+        else:
+            piece, m = [tokenizer.token_id(value)], 1 if kind == "special_out" else 0
+        ids += piece
+        mask += [m] * len(piece)
+    return ids, mask
+
+
+def render_text(messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                default_system: str | None = DEFAULT_SYSTEM) -> str:
+    """The same rendering as a string (control tokens written by name), for display and for
+    comparison with a jinja rendering."""
+    segs = _segments(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                     default_system=default_system)
+    return "".join(v if k != "text" else v[0] for k, v in segs)
+
+
+def read_chat_template(model_dir: str | os.PathLike) -> str:
+    """The jinja chat template of a model directory: `chat_template` in tokenizer_config.json,
+    else `chat_template.jinja`. Only reads text; nothing in the directory is executed."""
+    model_dir = os.fspath(model_dir)
+    config_file = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list):  # HF's named-template form: [{"name", "template"}]
+            named = {t.get("name"): t.get("template") for t in template}
+            if "default" in named:
+                return named["default"]
+    jinja_file = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    raise FileNotFoundError(f"{model_dir} has no chat_template in tokenizer_config.json and no "
+                            "chat_template.jinja")
+
+
+def render_with_jinja(model_dir: str | os.PathLike, messages: Sequence[Message], *,
+                      add_generation_prompt: bool = True,
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """Render with the directory's own jinja template through transformers' sandboxed renderer
+    (the engine behind `apply_chat_template`), without loading a tokenizer class, so no
+    `tokenization_*.py` from the directory is imported. Returns the rendered text; encode it
+    with `KimiTokenizer.encode_with_special_tokens` only if every message is trusted."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[list(messages)], tools=list(tools) if tools else None,
+        chat_template=read_chat_template(model_dir),
+        add_generation_prompt=add_generation_prompt)
+    return rendered[0]

@@ -1,0 +1,369 @@
+"""grain input pipelines: records -> documents -> pieces <= seq_len -> first-fit packed batches.
+
+    source[process_index::process_count]      per-host disjoint strided slice of records
+      .shuffle(seed).repeat(num_epochs)         global index shuffle, reshuffled every epoch
+      .map(parse)                               decode + validate + tokenize; bad -> None (skip)
+      .to_iter_dataset(read threads)            None elements are dropped here
+      flat_map(split_document)                  over-long docs -> seq_len pieces, targets made
+      FirstFitPackIterDataset(seq_len)          pieces never straddle rows; segment ids 1-based
+      .batch(batch_size).map(finalize)          -> dict of [B, T] numpy arrays
+
+Every stage is a grain transformation with exact `get_state`/`set_state`, so the iterator resumes
+the very same batches and saves with `grain.checkpoint.CheckpointSave` in an orbax Composite.
+
+Batch contract ([B, T] = [batch_size, seq_len]):
+  tokens      int32    packed documents, 0 on padding
+  targets     int32    next token of the same document piece, 0 where there is none
+  segment_ids int32    1, 2, ... per piece within a row; 0 = padding
+  positions   int32    0-based position within the piece
+  loss_mask   float32  1 where `targets` is a real prediction target: 0 on padding, on the last
+                       token of every piece (its next token is in another segment or absent) and,
+                       for SFT, wherever the target is not assistant output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from typing import Any
+
+import grain
+import numpy as np
+
+from k3jax.data import sft as sft_lib
+from k3jax.data.sources import (ArrayRecordSource, DataError, JsonlSource, ParquetSource,
+                                SyntheticSource)
+from k3jax.data.tokenizer import KimiTokenizer
+
+logger = logging.getLogger(__name__)
+
+DATASET_TYPES = ("synthetic", "jsonl", "parquet", "arrayrecord", "sft")
+BAD_DATA_POLICIES = ("skip", "fatal")
+
+
+@dataclasses.dataclass
+class PipelineStats:
+    """Counters of one pipeline, updated by grain's read threads (hence the lock).
+
+    Counts cover records READ, which runs ahead of the batches consumed by up to the prefetch
+    buffer; they restart at 0 on a new iterator (they are not part of the checkpoint), and with
+    `mp_prefetch` each worker process keeps its own copy.
+    """
+    records: int = 0          # records parsed (good or bad)
+    docs: int = 0             # documents emitted
+    empty: int = 0            # empty / whitespace-only text, null cells, no assistant turn
+    bad_utf8: int = 0         # undecodable UTF-8
+    bad_json: int = 0         # invalid JSON
+    bad_record: int = 0       # valid JSON of the wrong shape (missing key, bad messages, ...)
+    split_docs: int = 0       # documents longer than seq_len, split into pieces
+    pieces: int = 0           # pieces emitted to packing
+    dropped_pieces: int = 0   # pieces with no prediction target (e.g. a 1-token tail)
+    tokens: int = 0           # tokens in emitted pieces
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def skipped(self) -> int:
+        """Records dropped for any reason (empty or bad)."""
+        return self.empty + self.bad_utf8 + self.bad_json + self.bad_record
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if not f.name.startswith("_")}
+        d["skipped"] = d["empty"] + d["bad_utf8"] + d["bad_json"] + d["bad_record"]
+        return d
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class _BadRecord(Exception):
+    def __init__(self, counter: str, why: str):
+        super().__init__(why)
+        self.counter = counter
+
+
+def _utf8(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _BadRecord("bad_utf8", f"invalid UTF-8 at byte {e.start}") from None
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _BadRecord("bad_json", f"invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _text_field(record: Any, key: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(key), str):
+        raise _BadRecord("bad_record", f"record is not an object with a string {key!r} field")
+    return record[key]
+
+
+class ParseDocument:
+    """Raw record -> `{"tokens": int32 [L], "weights": float32 [L]}`, or None to skip it.
+
+    weights[i] = 1 marks token i as a prediction target (all tokens for pretraining text, the
+    assistant output for SFT). Pretraining text gets `eos_id` appended when `add_eos`, so the
+    model learns where documents end. Bad records raise `DataError` ("fatal") or are logged
+    with their location, counted and skipped ("skip").
+    """
+
+    def __init__(self, dataset_type: str, tokenizer: KimiTokenizer | None, *, text_key: str,
+                 bad_data: str, stats: PipelineStats, add_eos: bool, sft_format: str):
+        self.dataset_type, self.tokenizer, self.text_key = dataset_type, tokenizer, text_key
+        self.bad_data, self.stats, self.add_eos = bad_data, stats, add_eos
+        self.sft_format = sft_format
+
+    def _text(self, payload: Any) -> str:
+        """The document text of a raw record, by source kind."""
+        kind = self.dataset_type
+        if kind == "jsonl":
+            line = _utf8(payload)
+            if not line.strip():
+                return ""  # a blank line: an empty document, not a JSON error
+            return _text_field(_json(line), self.text_key)
+        if kind == "parquet":
+            if payload is None:
+                return ""
+            if isinstance(payload, bytes):
+                return _utf8(payload)
+            if not isinstance(payload, str):
+                raise _BadRecord("bad_record", f"cell of type {type(payload).__name__}, "
+                                 "expected string")
+            return payload
+        # arrayrecord: UTF-8 text, or a JSON object when the first non-space char is '{'.
+        text = _utf8(payload)
+        if text.lstrip().startswith("{"):
+            return _text_field(_json(text), self.text_key)
+        return text
+
+    def _document(self, payload: Any) -> dict[str, np.ndarray] | None:
+        if self.dataset_type == "synthetic":
+            tokens = np.asarray(payload, np.int32)
+            return {"tokens": tokens, "weights": np.ones(len(tokens), np.float32)}
+        if self.dataset_type == "sft":
+            line = _utf8(payload)
+            if not line.strip():
+                return None
+            try:
+                messages = sft_lib.record_to_messages(_json(line), self.sft_format)
+                tokens, weights = sft_lib.conversation_to_example(self.tokenizer, messages)
+            except ValueError as e:
+                raise _BadRecord("bad_record", str(e)) from None
+            return {"tokens": tokens, "weights": weights} if weights.any() else None
+        text = self._text(payload)
+        if not text.strip():
+            return None
+        ids = self.tokenizer.encode(text)
+        if self.add_eos:
+            ids.append(self.tokenizer.eos_id)
+        return {"tokens": np.asarray(ids, np.int32), "weights": np.ones(len(ids), np.float32)}
+
+    def __call__(self, item: Any) -> dict[str, np.ndarray] | None:
+        payload, where = (item, None) if self.dataset_type == "synthetic" else item
+        try:
+            doc = self._document(payload)
+        except _BadRecord as e:
+            self.stats.add(records=1, **{e.counter: 1})
+            if self.bad_data == "fatal":
+                raise DataError(f"{where}: {e}") from None
+            logger.warning("skipping bad record at %s: %s", where, e)
+            return None
+        if doc is None:
+            self.stats.add(records=1, empty=1)
+            return None
+        self.stats.add(records=1, docs=1)
+        return doc
+
+
+def split_document(tokens: np.ndarray, weights: np.ndarray,
+                   seq_len: int) -> list[dict[str, np.ndarray]]:
+    """Cut one document into pieces of <= seq_len tokens and build their targets.
+
+    Args:
+      tokens: int32 [L]; weights: float32 [L] (1 = token i is a prediction target).
+    Returns:
+      pieces `{"tokens": int32 [l], "targets": int32 [l], "loss_mask": float32 [l]}` with
+      `targets[t] = tokens[t+1]` and `loss_mask[t] = weights[t+1]` inside the piece; the last
+      position of each piece has target 0 and mask 0 because its next token lives in another
+      segment. Pieces with no target at all are left out.
+    """
+    pieces = []
+    for start in range(0, len(tokens), seq_len):
+        t = tokens[start:start + seq_len]
+        w = weights[start:start + seq_len]
+        targets = np.zeros_like(t)
+        targets[:-1] = t[1:]
+        loss = np.zeros(len(t), np.float32)
+        loss[:-1] = w[1:]
+        if loss.any():
+            pieces.append({"tokens": t, "targets": targets, "loss_mask": loss})
+    return pieces
+
+
+class _SplitDocument(grain.experimental.FlatMapTransform):
+    """grain FlatMap around `split_document` that also counts splits."""
+
+    def __init__(self, seq_len: int, stats: PipelineStats):
+        self.seq_len, self.stats = seq_len, stats
+        self.max_fan_out = 1 << 20  # unused by FlatMapIterDataset; documents are not bounded
+
+    def flat_map(self, doc: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        n = len(doc["tokens"])
+        pieces = split_document(doc["tokens"], doc["weights"], self.seq_len)
+        expected = -(-n // self.seq_len)
+        self.stats.add(split_docs=int(n > self.seq_len), pieces=len(pieces),
+                       dropped_pieces=expected - len(pieces),
+                       tokens=sum(len(p["tokens"]) for p in pieces))
+        return pieces
+
+
+def finalize_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """grain's packed names -> the batch contract of this module (see module docstring)."""
+    return {
+        "tokens": batch["tokens"].astype(np.int32),
+        "targets": batch["targets"].astype(np.int32),
+        "segment_ids": batch["tokens_segment_ids"].astype(np.int32),
+        "positions": batch["tokens_positions"].astype(np.int32),
+        "loss_mask": batch["loss_mask"].astype(np.float32),
+    }
+
+
+class PipelineIterator(grain.DatasetIterator):
+    """The batch iterator: a grain DatasetIterator (exact `get_state`/`set_state`, works with
+    `grain.checkpoint.CheckpointSave/Restore`) that also carries the pipeline's `stats`."""
+
+    def __init__(self, parent: grain.DatasetIterator, stats: PipelineStats):
+        super().__init__(parent)
+        self.stats = stats
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
+
+
+def pipeline_stats(it: PipelineIterator) -> dict[str, int]:
+    """Counters of the pipeline behind `it` (see `PipelineStats`)."""
+    return it.stats.as_dict()
+
+
+def _source(dataset_type: str, paths: str | None, *, text_key: str, vocab_size: int | None,
+            seed: int, seq_len: int, synthetic_len: tuple[int, int] | None):
+    if dataset_type == "synthetic":
+        if vocab_size is None:
+            raise ValueError("dataset_type='synthetic' needs vocab_size")
+        lo, hi = synthetic_len or (min(8, seq_len), seq_len)
+        return SyntheticSource(vocab_size=vocab_size, seed=seed, min_len=lo, max_len=hi)
+    if not paths:
+        raise ValueError(f"dataset_type={dataset_type!r} needs paths")
+    if dataset_type in ("jsonl", "sft"):
+        return JsonlSource(paths)
+    if dataset_type == "parquet":
+        return ParquetSource(paths, column=text_key)
+    return ArrayRecordSource(paths)
+
+
+def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokenizer | None,
+                 seq_len: int, batch_size: int, seed: int, shuffle: bool = True,
+                 process_index: int | None = None, process_count: int | None = None,
+                 bad_data: str = "skip", vocab_size: int | None = None, text_key: str = "text",
+                 num_epochs: int | None = None, add_eos: bool = True,
+                 sft_format: str = "messages", num_packing_bins: int = 16,
+                 read_threads: int = 2, prefetch: int = 64,
+                 synthetic_len: tuple[int, int] | None = None
+                 ) -> tuple[grain.IterDataset, PipelineStats]:
+    """Build the grain `IterDataset` of packed batches and its stats (see `make_pipeline`)."""
+    if dataset_type not in DATASET_TYPES:
+        raise ValueError(f"dataset_type must be one of {DATASET_TYPES}, got {dataset_type!r}")
+    if bad_data not in BAD_DATA_POLICIES:
+        raise ValueError(f"bad_data must be one of {BAD_DATA_POLICIES}, got {bad_data!r}")
+    if dataset_type == "sft" and sft_format not in sft_lib.SFT_FORMATS:
+        raise ValueError(f"sft_format must be one of {sft_lib.SFT_FORMATS}, got {sft_format!r}")
+    if dataset_type != "synthetic" and tokenizer is None:
+        raise ValueError(f"dataset_type={dataset_type!r} needs a tokenizer")
+    if seq_len < 2 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
+    if process_index is None or process_count is None:
+        import jax  # only for the host's coordinates; the pipeline itself is numpy
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+
+    stats = PipelineStats()
+    src = _source(dataset_type, paths, text_key=text_key, vocab_size=vocab_size, seed=seed,
+                  seq_len=seq_len, synthetic_len=synthetic_len)
+    ds = grain.MapDataset.source(src)[process_index::process_count]
+    if len(ds) == 0:
+        raise DataError(f"{src!r} has no record for process {process_index} of {process_count}")
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    ds = ds.map(ParseDocument(dataset_type, tokenizer, text_key=text_key, bad_data=bad_data,
+                              stats=stats, add_eos=add_eos, sft_format=sft_format))
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                                 prefetch_buffer_size=prefetch))
+    it_ds = grain.experimental.FlatMapIterDataset(it_ds, _SplitDocument(seq_len, stats))
+    lengths = {"tokens": seq_len, "targets": seq_len, "loss_mask": seq_len}
+    it_ds = grain.experimental.FirstFitPackIterDataset(
+        it_ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed,
+        shuffle_bins=shuffle)
+    it_ds = it_ds.batch(batch_size, drop_remainder=True).map(finalize_batch)
+    return it_ds, stats
+
+
+def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokenizer | None,
+                  seq_len: int, batch_size: int, seed: int, shuffle: bool = True,
+                  process_index: int | None = None, process_count: int | None = None,
+                  bad_data: str = "skip", vocab_size: int | None = None,
+                  text_key: str = "text", num_epochs: int | None = None,
+                  **options: Any) -> PipelineIterator:
+    """Packed-batch iterator for training.
+
+    Args:
+      dataset_type: "synthetic" | "jsonl" | "parquet" | "arrayrecord" | "sft".
+      paths: comma-separated globs of input files (None for synthetic).
+      tokenizer: a `KimiTokenizer` (unused for synthetic).
+      seq_len, batch_size: T and the PER-HOST B of every batch.
+      seed: shuffle / packing / synthetic-data seed; the same seed gives the same batches.
+      shuffle: global index shuffle (reshuffled every epoch) and packed-bin shuffle.
+      process_index, process_count: this host's slice (default: jax.process_index/count());
+        host i reads records i, i+n, i+2n, ... so hosts never share a record.
+      bad_data: "skip" (log file:line with logging.warning, count, continue) or "fatal" (raise
+        `DataError` naming file:line).
+      vocab_size: token range of synthetic data.
+      text_key: JSON field (JSONL, ArrayRecord JSON records) or Parquet column of the text.
+      num_epochs: None repeats forever; n stops after n passes (last partial batch dropped).
+      **options: add_eos (True), sft_format ("messages" | "hellaswag"), num_packing_bins (16),
+        read_threads (2), prefetch (64), synthetic_len ((min, max) doc length).
+    Returns:
+      `PipelineIterator` yielding the [B, T] batch dict described in the module docstring.
+    """
+    ds, stats = make_dataset(dataset_type=dataset_type, paths=paths, tokenizer=tokenizer,
+                             seq_len=seq_len, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                             process_index=process_index, process_count=process_count,
+                             bad_data=bad_data, vocab_size=vocab_size, text_key=text_key,
+                             num_epochs=num_epochs, **options)
+    return PipelineIterator(iter(ds), stats)

@@ -1,0 +1,95 @@
+"""Supervised fine-tuning examples: conversations -> token ids + per-token target weights.
+
+An SFT record is a JSON object `{"messages": [{"role", "content"}, ...]}` (sft_format
+"messages") or a HellaSwag row `{"ctx", "endings", "label"}` (sft_format "hellaswag"), turned into
+messages by `hellaswag_to_messages`. Both are rendered with the Kimi chat template
+(`chat_template.render`, add_generation_prompt=False), so only assistant output is learned.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from k3jax.data import chat_template
+from k3jax.data.tokenizer import KimiTokenizer
+
+LETTERS = "ABCD"
+HELLASWAG_INSTRUCTION = ("Choose the most plausible continuation of the context from the four "
+                         "endings below. Reply with the ending itself.")
+SFT_FORMATS = ("messages", "hellaswag")
+
+
+def hellaswag_to_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """A HellaSwag row -> a two-turn conversation.
+
+    Args:
+      row: `{"ctx": str, "endings": [4 str], "label": int | "0".."3"}` (HellaSwag's layout; other
+        fields such as `activity_label` are ignored).
+    Returns:
+      `[{"role": "user", "content": instruction + context + lettered endings},
+        {"role": "assistant", "content": the correct ending}]`.
+    Raises:
+      ValueError: wrong number of endings, a label outside 0..3, or a missing field.
+    """
+    try:
+        ctx, endings, label = row["ctx"], row["endings"], int(row["label"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a HellaSwag row (needs ctx, endings, label): {e}") from None
+    if not isinstance(ctx, str) or not isinstance(endings, Sequence) or len(endings) != 4:
+        raise ValueError("HellaSwag row needs a string ctx and exactly 4 endings")
+    if not 0 <= label < 4:
+        raise ValueError(f"HellaSwag label {label} is not in 0..3")
+    options = "\n".join(f"{LETTERS[i]}. {str(e).strip()}" for i, e in enumerate(endings))
+    prompt = f"{HELLASWAG_INSTRUCTION}\n\nContext: {ctx.strip()}\n\n{options}"
+    return [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": str(endings[label]).strip()}]
+
+
+def validate_messages(messages: Any) -> list[Mapping[str, Any]]:
+    """Check the `messages` field's shape; ValueError saying what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} is not an object with a string 'role'")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {i} has unknown role {m['role']!r}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"message {i} content must be a string or a list of parts")
+    return messages
+
+
+def record_to_messages(record: Mapping[str, Any], sft_format: str) -> list[Mapping[str, Any]]:
+    """A parsed JSON record -> validated messages for `sft_format` ("messages"|"hellaswag")."""
+    if sft_format == "messages":
+        if not isinstance(record, Mapping) or "messages" not in record:
+            raise ValueError("SFT record has no 'messages' field")
+        return validate_messages(record["messages"])
+    if sft_format == "hellaswag":
+        return hellaswag_to_messages(record)
+    raise ValueError(f"sft_format must be one of {SFT_FORMATS}, got {sft_format!r}")
+
+
+def conversation_to_example(tokenizer: KimiTokenizer, messages: Sequence[Mapping[str, Any]],
+                            *, default_system: str | None = chat_template.DEFAULT_SYSTEM
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """Render a complete conversation for training.
+
+    Returns:
+      `(tokens int32 [L], weights float32 [L])`: weights[i] = 1 iff token i is assistant output
+      and so a prediction target (the pipeline turns it into `loss_mask[t] = weights[t + 1]`).
+    """
+    ids, mask = chat_template.render(tokenizer, messages, add_generation_prompt=False,
+                                     default_system=default_system)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
+
+
+def hellaswag_prompt(tokenizer: KimiTokenizer, row: Mapping[str, Any]) -> list[int]:
+    """Inference prompt for a HellaSwag row: the user turn plus the generation prompt, ready
+    for the model to write the ending (used to evaluate an SFT model)."""
+    user = hellaswag_to_messages(row)[:1]
+    ids, _ = chat_template.render(tokenizer, user, add_generation_prompt=True)
+    return ids
