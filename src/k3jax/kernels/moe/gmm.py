@@ -1,0 +1,113 @@
+"""Grouped matrix multiplication: rows of `lhs` sorted by group, each group times its own matrix.
+
+    out[m] = lhs[m] @ rhs[g(m)]     g(m) = group whose row range [start_g, start_g + size_g)
+                                    holds m; rows past sum(group_sizes) give 0
+
+Three interchangeable implementations (same numbers and gradients, chosen by `impl`):
+
+  "ragged_dot"  `jax.lax.ragged_dot`. XLA's native op; on TPU it lowers to a grouped kernel, on
+                CPU to roughly G dense matmuls (ecosystem.md §4), so keep G small in CPU runs.
+  "megablox"    the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.megablox.gmm` with its
+                custom VJP (gmm for d lhs, tgmm for d rhs). Needs M divisible by the row tile,
+                handled here by zero padding. Off TPU it needs `interpret=True`; with
+                `interpret=False` Pallas raises "Only interpret mode is supported on CPU
+                backend" at lowering. There is no fallback to another impl.
+  "dense"       reference: every group on every row ([G, M, N] intermediate), then a row ->
+                group one-hot mask. Obviously correct, O(G) too much work: tests only.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import megablox
+
+__all__ = ["grouped_matmul", "IMPLS", "row_group_ids"]
+
+IMPLS = ("ragged_dot", "megablox", "dense")
+
+
+def row_group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Group id of every row for rows sorted by group.
+
+    Args:
+      group_sizes: [G] int32, sum <= num_rows.
+      num_rows: M.
+    Returns:
+      [M] int32 in [0, G]; G marks rows past sum(group_sizes) (no group).
+    """
+    ends = jnp.cumsum(group_sizes)                                        # [G] exclusive ends
+    rows = jnp.arange(num_rows, dtype=ends.dtype)
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+
+
+def _dense(lhs, rhs, group_sizes, preferred_element_type):
+    g = rhs.shape[0]
+    every = jnp.einsum("mk,gkn->gmn", lhs, rhs,
+                       preferred_element_type=preferred_element_type)    # [G, M, N]
+    member = jax.nn.one_hot(row_group_ids(group_sizes, lhs.shape[0]), g,
+                            dtype=every.dtype)                            # [M, G]; 0-row if none
+    return jnp.einsum("gmn,mg->mn", every, member)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _megablox(lhs, rhs, group_sizes, preferred_element_type, tiling, interpret):
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    tm, tk, tn = tiling
+    # Row tile: never larger than the (16-row aligned; bf16 packs 16 rows per TPU sublane
+    # tile) problem. K and N tiles may equal the full dim, which Mosaic always accepts.
+    tm = min(tm, _round_up(m, 16))
+    tk, tn = min(tk, k), min(tn, n)
+    m_pad = _round_up(m, tm)
+    lhs_p = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
+    # Padding rows (and rows past sum(group_sizes)) go into one extra trailing group that has
+    # no matrix: megablox then treats `rhs` as the first G of G+1 groups (its expert-sharding
+    # path), skips the tail's tiles and zeroes its rows, forward and in d lhs; tgmm returns
+    # d rhs for the G real groups only.
+    tail = jnp.asarray(m_pad, jnp.int32) - jnp.sum(group_sizes)
+    sizes = jnp.concatenate([group_sizes, tail[None]])                    # [G + 1]
+    out = megablox.gmm(lhs_p, rhs, sizes, preferred_element_type, (tm, tk, tn),
+                       None, None, False, interpret)
+    return out[:m]
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    impl: str,
+    preferred_element_type=jnp.float32,
+    interpret: bool = False,
+    tiling: tuple[int, int, int] = (128, 128, 128),
+) -> jax.Array:
+    """Grouped matmul `out[m] = lhs[m] @ rhs[group(m)]`.
+
+    Args:
+      lhs: [M, K] rows sorted by group (bf16 or f32).
+      rhs: [G, K, N] one matrix per group (same dtype as lhs).
+      group_sizes: [G] int32 rows per group, sum(group_sizes) <= M. Rows past the sum are
+        outside every group: their output is 0 and they receive no gradient.
+      impl: "ragged_dot" | "megablox" | "dense" (module docstring).
+      preferred_element_type: output / accumulation dtype (f32 by default).
+      interpret: megablox only; run the Pallas kernel in interpret mode (required off TPU).
+      tiling: megablox only; (tm, tk, tn) tiles, clipped to the problem size.
+    Returns:
+      [M, N] in `preferred_element_type`. Differentiable wrt lhs and rhs with every impl.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"need lhs [M, K], rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"group_sizes {group_sizes.shape} != [G={rhs.shape[0]}]")
+    group_sizes = group_sizes.astype(jnp.int32)
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                                  preferred_element_type=preferred_element_type)
+    if impl == "megablox":
+        return _megablox(lhs, rhs, group_sizes, preferred_element_type, tuple(tiling), interpret)
+    if impl == "dense":
+        return _dense(lhs, rhs, group_sizes, preferred_element_type)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
