@@ -6,8 +6,8 @@ setup(
     version="0.1.0",
     description="JAX/TPU training and decoding stack for Moonshot AI's Kimi K3 family",
     python_requires=">=3.12",
-    package_dir={"": "src"},
-    packages=find_packages("src"),
+    package_dir={"": "src", "conversion": "conversion"},
+    packages=find_packages("src") + ["conversion"],
     install_requires=[
         "jax>=0.11.2",
         "flax>=0.12.8",
@@ -21,10 +21,14 @@ setup(
         "pyyaml>=6.0",
         "numpy>=2.0",
         "ml_dtypes>=0.5",
+        "jinja2>=3.1.6",       # transformers' chat-template renderer
+        "pyarrow>=18",         # Parquet data source
+        "tensorboardX>=2.6",   # TensorBoard scalars
+        "psutil>=5.9",
     ],
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.
-        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "pyarrow>=18", "matplotlib>=3.8"],
+        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8"],
         "tpu": ["jax[tpu]>=0.11.2"],
     },
 )

@@ -49,7 +49,7 @@ class ModelConfig:
     eos_token_id: int = _f(-1, "[EOS] id; -1 = from the tokenizer")
     pad_token_id: int = _f(-1, "padding id (embedding row zeroed at init); -1 = none")
     # Layer schedule: MLA where l % mla_every == mla_every - 1, plus mla_extra_layers; KDA elsewhere.
-    mla_every: int = _f(4, "MLA period: layer l is MLA when l % mla_every == mla_every-1 (1 = all MLA)")
+    mla_every: int = _f(4, "MLA period: layer l is MLA when l % mla_every == mla_every-1 (1 = all MLA, 0 = only mla_extra_layers)")
     mla_extra_layers: list = _f([12], "further 0-based MLA layers (K3: [92]; Kimi Linear 48B: [26])")
     first_k_dense: int = _f(1, "leading layers with a dense FFN; the rest use MoE")
     # KDA
@@ -101,7 +101,8 @@ class ModelConfig:
     # -- derived ------------------------------------------------------------------------------
     @property
     def mla_layer_set(self) -> frozenset:
-        per = {l for l in range(self.num_layers) if l % self.mla_every == self.mla_every - 1}
+        p = self.mla_every
+        per = {l for l in range(self.num_layers) if p and l % p == p - 1}
         return frozenset(per | set(self.mla_extra_layers))
 
     def mixer(self, layer: int) -> str:
@@ -139,6 +140,7 @@ class KernelConfig:
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
+    moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
     loss_chunk_size: int = _f(1024, "tokens per chunk of the memory-light cross-entropy")
 
@@ -405,12 +407,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     positive = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
                 "kda_num_heads": m.kda_num_heads, "kda_head_dim": m.kda_head_dim, "num_attention_heads":
                 m.num_attention_heads, "num_experts_per_token": m.num_experts_per_token, "steps": t.steps,
-                "max_target_length": t.max_target_length, "mla_every": m.mla_every,
+                "max_target_length": t.max_target_length,
                 "kda_chunk_size": k.kda_chunk_size, "attn_res_block_size": m.attn_res_block_size,
                 "gradient_accumulation_steps": t.gradient_accumulation_steps}
     for name, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{name}={v}: must be positive")
+    if m.mla_every < 0:
+        raise ConfigError(f"mla_every={m.mla_every}: must be >= 0")
     if t.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={t.per_device_batch_size}: must be positive")
     bad = [l for l in m.mla_extra_layers if not (isinstance(l, int) and 0 <= l < m.num_layers)]

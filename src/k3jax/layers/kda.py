@@ -1,0 +1,144 @@
+"""Kimi Delta Attention layer (k3-architecture.md §4): projections, short convs, gates, core, output.
+
+The recurrence itself lives in ``k3jax.kernels.kda`` (chosen by ``kda_impl``); this module owns the
+projections around it. Shapes: x [B,T,D]; P = H*dk; the core sees q,k [B,T,H,dk], v [B,T,H,dv].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.kernels.kda import get_kda_fn
+from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
+from k3jax.layers.common import l2_normalize, param, rms_norm, zeros
+from k3jax.sharding import constrain
+
+
+def _a_log_init(key, shape, dtype):
+    # Pre-training init: A = U(1, 16), stored as log (NeMo; k3-architecture.md §4).
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+def _conv_init(width: int):
+    # PyTorch's default depthwise Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width.
+    bound = width ** -0.5
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        d, h, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        p, w, std = h * dk, cfg.kda_conv_size, cfg.initializer_range
+        self.cfg, self.num_heads, self.head_dim = cfg, h, dk
+        self.core = get_kda_fn(kcfg.kda_impl, interpret=kcfg.pallas_interpret)
+        self.chunk_size = kcfg.kda_chunk_size
+        mat = dict(std=std, dtype=dtype, matrix=(0, 1))
+        self.q_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
+        self.k_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
+        self.v_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
+        # Convs, A_log, dt_bias and o_norm are kept in f32 (as in the released checkpoint).
+        conv = dict(init=_conv_init(w), dtype=jnp.float32)
+        self.q_conv = param(rngs, stack, (p, w), ("heads", None), **conv)
+        self.k_conv = param(rngs, stack, (p, w), ("heads", None), **conv)
+        self.v_conv = param(rngs, stack, (p, w), ("heads", None), **conv)
+        self.f_a_proj = param(rngs, stack, (d, cfg.kda_gate_rank), ("embed", "rank"), **mat)
+        self.f_b_proj = param(rngs, stack, (cfg.kda_gate_rank, p), ("rank", "heads"), **mat)
+        self.A_log = param(rngs, stack, (h,), ("norm",), init=_a_log_init, dtype=jnp.float32)
+        self.dt_bias = param(rngs, stack, (p,), ("heads",), init=zeros, dtype=jnp.float32)
+        self.b_proj = param(rngs, stack, (d, h), ("embed", None), **mat)
+        if cfg.kda_output_gate == "full":
+            self.g_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
+        else:
+            r = cfg.kda_output_gate_rank
+            self.g_a_proj = param(rngs, stack, (d, r), ("embed", "rank"), **mat)
+            self.g_b_proj = param(rngs, stack, (r, p), ("rank", "heads"), **mat)
+        self.o_norm = param(rngs, stack, (dk,), ("norm",), init=lambda k, s, t: jnp.ones(s, t),
+                            dtype=jnp.float32)
+        self.o_proj = param(rngs, stack, (p, d), ("heads", "embed"), **mat)
+
+    # -- pieces shared by the sequence and the single-token paths ------------------------------
+    def _proj(self, x, w):
+        return jnp.einsum("...d,dp->...p", x, w[...].astype(x.dtype))
+
+    def _gate(self, x):
+        """Per-channel log-decay g <= 0, f32, shape [..., H, dk]."""
+        c = self.cfg
+        f = self._proj(self._proj(x, self.f_a_proj), self.f_b_proj).astype(jnp.float32)
+        u = (f + self.dt_bias[...]).reshape(*f.shape[:-1], self.num_heads, self.head_dim)
+        a = jnp.exp(self.A_log[...])[:, None]                       # [H, 1]
+        if c.kda_gate == "bounded":
+            return c.kda_gate_lower_bound * jax.nn.sigmoid(a * u)    # in (lb, 0)
+        return -a * jax.nn.softplus(u)
+
+    def _output(self, o, x):
+        """Per-head gated RMSNorm then o_proj. o: [..., H, dv] f32; x: the layer input."""
+        if self.cfg.kda_output_gate == "full":
+            gate = self._proj(x, self.g_proj)
+        else:
+            gate = self._proj(self._proj(x, self.g_a_proj), self.g_b_proj)
+        gate = gate.reshape(*gate.shape[:-1], self.num_heads, self.head_dim).astype(jnp.float32)
+        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.cfg.rms_norm_eps) * jax.nn.sigmoid(gate)
+        o = o.reshape(*o.shape[:-2], -1).astype(x.dtype)
+        return jnp.einsum("...p,pd->...d", o, self.o_proj[...].astype(x.dtype))
+
+    def _heads(self, t):
+        return t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
+
+    # -- sequence path (training, prefill) ------------------------------------------------------
+    def __call__(self, x, segment_ids, cache=None, return_cache: bool = False):
+        """x [B,T,D], segment_ids [B,T] -> out [B,T,D] (and the decode cache when asked).
+
+        Tokens with segment id 0 (padding) contribute zero to the convolutions, so a left-padded
+        prompt leaves no trace in the conv state.
+        """
+        keep = (segment_ids != 0)[..., None].astype(x.dtype)
+        conv_in = {}
+        outs = []
+        for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                            ("v", self.v_proj, self.v_conv)):
+            z = self._proj(x, w) * keep
+            init = None if cache is None else cache[f"conv_{name}"]
+            y, conv_state = short_conv(z.astype(jnp.float32), cw[...], segment_ids=segment_ids,
+                                       initial_state=init)
+            conv_in[name] = conv_state
+            outs.append(self._heads(jax.nn.silu(y)))
+        q, k, v = outs
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta = jax.nn.sigmoid(self._proj(x, self.b_proj).astype(jnp.float32))
+        g = self._gate(x)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_heads", None))
+        o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5,
+                             initial_state=None if cache is None else cache["state"],
+                             segment_ids=segment_ids)
+        out = self._output(o, x)
+        if not return_cache:
+            return out
+        return out, {"conv_q": conv_in["q"], "conv_k": conv_in["k"], "conv_v": conv_in["v"], "state": state}
+
+    # -- single-token path (decode) -------------------------------------------------------------
+    def decode(self, x, cache):
+        """x [B,D] -> out [B,D], new cache. Constant cost in the context length."""
+        new = {}
+        outs = []
+        for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                            ("v", self.v_proj, self.v_conv)):
+            y, new[f"conv_{name}"] = short_conv_step(self._proj(x, w).astype(jnp.float32),
+                                                     cache[f"conv_{name}"], cw[...])
+            outs.append(self._heads(jax.nn.silu(y)))
+        q, k, v = outs
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta = jax.nn.sigmoid(self._proj(x, self.b_proj).astype(jnp.float32))
+        o, new["state"] = kda_decode_step(q, k, v, self._gate(x), beta, cache["state"],
+                                          scale=self.head_dim ** -0.5)
+        return self._output(o, x), new
+
+
+def kda_cache_shapes(cfg, batch: int) -> dict[str, tuple[tuple[int, ...], jnp.dtype, tuple]]:
+    """Per-layer KDA decode cache: three conv states and the f32 recurrent state (length-free)."""
+    p = cfg.kda_num_heads * cfg.kda_head_dim
+    conv = ((batch, p, cfg.kda_conv_size - 1), jnp.float32, ("batch", "heads", None))
+    return {"conv_q": conv, "conv_k": conv, "conv_v": conv,
+            "state": ((batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32,
+                      ("batch", "act_heads", None, None))}

@@ -1,0 +1,118 @@
+"""Gated Multi-head Latent Attention (k3-architecture.md §5), NoPE by default.
+
+Training/prefill: full per-head keys/values from the latent. Decode: only the normalised latent
+``c`` [R] and the shared key slice ``k_r`` [Rr] are cached (576 values per token for K3) and ``kv_b``
+is absorbed into the query (W_UK) and output (W_UV) sides.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.kernels.attention import get_attention_fn, latent_decode_attention
+from k3jax.layers.common import ones, param, rms_norm
+from k3jax.layers.rope import apply_rope, softmax_scale
+from k3jax.sharding import constrain
+
+LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm are built without eps (class default 1e-6)
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg, self.num_heads = cfg, h
+        self.attention = get_attention_fn(kcfg.attention_impl)
+        self.scale = softmax_scale(cfg)
+        mat = dict(std=cfg.initializer_range, dtype=dtype, matrix=(0, 1))
+        qk, r, rr = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = param(rngs, stack, (d, cfg.q_lora_rank), ("embed", "rank"), **mat)
+            self.q_a_layernorm = param(rngs, stack, (cfg.q_lora_rank,), ("norm",), init=ones, dtype=dtype)
+            self.q_b_proj = param(rngs, stack, (cfg.q_lora_rank, h * qk), ("rank", "heads"), **mat)
+        else:
+            self.q_proj = param(rngs, stack, (d, h * qk), ("embed", "heads"), **mat)
+        self.kv_a_proj_with_mqa = param(rngs, stack, (d, r + rr), ("embed", "rank"), **mat)
+        self.kv_a_layernorm = param(rngs, stack, (r,), ("norm",), init=ones, dtype=dtype)
+        self.kv_b_proj = param(rngs, stack, (r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+                               ("rank", "heads"), **mat)
+        if cfg.mla_use_output_gate:
+            self.g_proj = param(rngs, stack, (d, h * cfg.v_head_dim), ("embed", "heads"), **mat)
+        self.o_proj = param(rngs, stack, (h * cfg.v_head_dim, d), ("heads", "embed"), **mat)
+
+    def _w(self, p, dt):
+        return p[...].astype(dt)
+
+    def _query(self, x):
+        """x [...,D] -> (q_nope [...,H,dn], q_rope [...,H,dr])."""
+        c, dt = self.cfg, x.dtype
+        if c.q_lora_rank:
+            cq = rms_norm(jnp.einsum("...d,dr->...r", x, self._w(self.q_a_proj, dt)),
+                          self.q_a_layernorm[...], LATENT_EPS)
+            q = jnp.einsum("...r,rq->...q", cq, self._w(self.q_b_proj, dt))
+        else:
+            q = jnp.einsum("...d,dq->...q", x, self._w(self.q_proj, dt))
+        q = q.reshape(*q.shape[:-1], self.num_heads, c.qk_head_dim)
+        return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+
+    def _latent(self, x):
+        """x [...,D] -> (normalised c [...,R], k_r [...,Rr])."""
+        c = self.cfg
+        ckv = jnp.einsum("...d,dr->...r", x, self._w(self.kv_a_proj_with_mqa, x.dtype))
+        lat = rms_norm(ckv[..., :c.kv_lora_rank], self.kv_a_layernorm[...], LATENT_EPS)
+        return lat, ckv[..., c.kv_lora_rank:]
+
+    def _finish(self, o, x):
+        """o [...,H,dv] -> gate -> o_proj [...,D]."""
+        o = o.reshape(*o.shape[:-2], -1).astype(x.dtype)
+        if self.cfg.mla_use_output_gate:
+            gate = jnp.einsum("...d,dp->...p", x, self._w(self.g_proj, x.dtype))
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+        return jnp.einsum("...p,pd->...d", o, self._w(self.o_proj, x.dtype))
+
+    def __call__(self, x, segment_ids, positions, return_cache: bool = False):
+        """x [B,T,D] -> (out [B,T,D], max_logit [H] f32) (+ latent cache (c, k_r) when asked)."""
+        c = self.cfg
+        q_nope, q_rope = self._query(x)
+        lat, k_r = self._latent(x)
+        if c.mla_use_rope:
+            q_rope = apply_rope(q_rope, positions, c)
+            k_r = apply_rope(k_r[..., None, :], positions, c)[..., 0, :]
+        kv = jnp.einsum("btr,rq->btq", lat, self._w(self.kv_b_proj, x.dtype))
+        kv = kv.reshape(*kv.shape[:-1], self.num_heads, -1)
+        k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        k_rope = jnp.broadcast_to(k_r[..., None, :], (*k_r.shape[:-1], self.num_heads, k_r.shape[-1]))
+        q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "seq", "act_heads", None))
+        k = constrain(jnp.concatenate([k_nope, k_rope], -1), ("batch", "seq", "act_heads", None))
+        o, m = self.attention(q, k, v, segment_ids, scale=self.scale)
+        out = self._finish(o, x)
+        if return_cache:
+            return out, m, (lat, k_r)
+        return out, m
+
+    def decode(self, x, cache, pos, start):
+        """One token per row. x [B,D]; cache {"c": [B,S,R], "k_r": [B,S,Rr]}; pos: scalar write
+        index (all rows aligned by left padding); start [B]: first valid cache slot per row."""
+        c = self.cfg
+        q_nope, q_rope = self._query(x)                                   # [B,H,dn], [B,H,dr]
+        lat, k_r = self._latent(x)
+        if c.mla_use_rope:
+            p = (pos - start)[:, None]                                 # position within the prompt
+            q_rope = apply_rope(q_rope[:, None], p, c)[:, 0]
+            k_r = apply_rope(k_r[:, None, None, :], p, c)[:, 0, 0]
+        new = {"c": jax.lax.dynamic_update_slice_in_dim(cache["c"], lat[:, None].astype(cache["c"].dtype), pos, 1),
+               "k_r": jax.lax.dynamic_update_slice_in_dim(cache["k_r"], k_r[:, None].astype(cache["k_r"].dtype), pos, 1)}
+        w = self._w(self.kv_b_proj, jnp.float32).reshape(c.kv_lora_rank, self.num_heads, -1)
+        w_uk, w_uv = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+        q_lat = jnp.einsum("bhn,rhn->bhr", q_nope.astype(jnp.float32), w_uk)
+        s = jnp.arange(cache["c"].shape[1])
+        valid = (s[None, :] >= start[:, None]) & (s[None, :] <= pos)
+        o_lat = latent_decode_attention(q_lat, q_rope.astype(jnp.float32), new["c"], new["k_r"], valid,
+                                        scale=self.scale)
+        o = jnp.einsum("bhr,rhv->bhv", o_lat, w_uv)
+        return self._finish(o, x), new
+
+
+def mla_cache_shapes(cfg, batch: int, length: int, dtype=jnp.float32):
+    return {"c": ((batch, length, cfg.kv_lora_rank), dtype, ("batch", "cache_seq", None)),
+            "k_r": ((batch, length, cfg.qk_rope_head_dim), dtype, ("batch", "cache_seq", None))}

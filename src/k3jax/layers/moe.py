@@ -1,0 +1,94 @@
+"""Mixture of experts FFN (k3-architecture.md §6): sigmoid router with selection-only bias, top-k,
+renormalisation, routed scaling, shared experts and, for K3, the latent down/up projections with
+the routed-expert RMSNorm after the combine. Dispatch kernels live in ``k3jax.kernels.moe``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.kernels.moe import balance, dispatch, routing
+from k3jax.layers.common import MLP, RouterBias, glu_activation, ones, param, rms_norm, zeros
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        d, e, f, lw = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_width
+        self.cfg, self.kcfg = cfg, kcfg
+        self.act = glu_activation(cfg)
+        std = cfg.initializer_range
+        # The router runs in f32 (scores decide discrete choices); stored in f32.
+        self.router = param(rngs, stack, (d, e), ("embed", None), std=std, dtype=jnp.float32, matrix=(0, 1))
+        self.e_score_correction_bias = param(rngs, stack, (e,), ("norm",), init=zeros, dtype=jnp.float32,
+                                             kind=RouterBias)
+        if cfg.moe_latent_size:
+            mat = dict(std=std, dtype=dtype, matrix=(0, 1))
+            self.latent_down = param(rngs, stack, (d, lw), ("embed", "mlp"), **mat)
+            self.latent_up = param(rngs, stack, (lw, d), ("mlp", "embed"), **mat)
+            if cfg.moe_latent_norm:
+                self.latent_norm = param(rngs, stack, (lw,), ("norm",), init=ones, dtype=dtype)
+        # Expert weights [E, in, out]; the matrix axes exclude E so Muon treats experts separately.
+        ex = dict(std=std, dtype=dtype, matrix=(1, 2))
+        self.w_gate = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
+        self.w_up = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
+        self.w_down = param(rngs, stack, (e, f, lw), ("exp", "mlp", "embed"), **ex)
+        if cfg.num_shared_experts:
+            self.shared_experts = MLP(cfg, cfg.num_shared_experts * f, rngs, stack, dtype)
+
+    def route(self, x):
+        """x [N,D] -> (weights [N,k] f32, idx [N,k] int32, scores [N,E] f32)."""
+        c = self.cfg
+        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), self.router[...])
+        w, idx = routing.route(logits, self.e_score_correction_bias[...], top_k=c.num_experts_per_token,
+                               renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor,
+                               weights_from_biased=c.router_weights_from_biased, n_group=c.n_group,
+                               topk_group=c.topk_group)
+        return w, idx, jax.nn.sigmoid(logits)
+
+    def __call__(self, x, mesh=None, compute_aux: bool = False):
+        """x [B,T,D] -> (out [B,T,D], stats): per-expert loads [E] f32 (balancing, metrics), the
+        dropped fraction (capacity mode) and, when ``compute_aux``, the sequence balance loss."""
+        c, k = self.cfg, self.kcfg
+        b, t, d = x.shape
+        xf = x.reshape(b * t, d)
+        w, idx, scores = self.route(xf)
+        z = xf
+        if c.moe_latent_size:
+            z = jnp.einsum("nd,dl->nl", xf, self.latent_down[...].astype(x.dtype))
+        experts = (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype),
+                   self.w_down[...].astype(x.dtype))
+        dropped = jnp.zeros((), jnp.float32)
+        if mesh is not None and mesh.shape.get("expert", 1) > 1:
+            from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
+            if k.moe_ep_transport == "ragged" and mesh.devices.flat[0].platform == "cpu":
+                raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
+                                 "implement; set moe_ep_transport=padded on CPU")
+            r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, impl=k.moe_impl,
+                                    mode=k.moe_mode, capacity_factor=k.capacity_factor,
+                                    transport=k.moe_ep_transport, weight_d_axes=("fsdp",),
+                                    interpret=k.pallas_interpret)
+            if isinstance(r, tuple):
+                r, dropped = r
+        elif k.moe_mode == "capacity":
+            r, dropped = dispatch.moe_capacity(z, w, idx, *experts, self.act, capacity_factor=k.capacity_factor)
+        elif k.moe_impl == "dense":
+            r = dispatch.moe_dense_reference(z, w, idx, *experts, self.act)
+        else:
+            r = dispatch.moe_dropless(z, w, idx, *experts, self.act, impl=k.moe_impl,
+                                      interpret=k.pallas_interpret)
+        r = r.astype(x.dtype)
+        if c.moe_latent_size:
+            if c.moe_latent_norm:
+                r = rms_norm(r, self.latent_norm[...], c.rms_norm_eps)
+            r = jnp.einsum("nl,ld->nd", r, self.latent_up[...].astype(x.dtype))
+        out = r.reshape(b, t, d)
+        if c.num_shared_experts:
+            out = out + self.shared_experts(x)
+        aux = jnp.zeros((), jnp.float32)
+        if compute_aux:
+            aux = balance.sequence_aux_loss(scores.reshape(b, t, -1), idx.reshape(b, t, -1),
+                                            c.num_experts_per_token)
+        stats = {"expert_load": balance.expert_load(idx, c.num_experts),
+                 "dropped_fraction": jnp.asarray(dropped, jnp.float32), "aux_loss": aux}
+        return out, stats
