@@ -1,0 +1,136 @@
+"""The Hugging Face <-> k3jax name map: a pure, tested table.
+
+For one decoder layer (or the global tensors) it lists rules ``(our name, hf names, to_ours,
+to_hf)``: ``our name`` is the parameter's dotted path inside a k3jax ``DecoderLayer`` (or the model),
+``to_ours`` turns the HF arrays into ours, ``to_hf`` the reverse. Two HF layouts are known:
+
+- ``native``: transformers' ``kimi_linear`` (fused ``conv1d``, ``forget_gate.*``, ``mlp.experts.gate_up_proj``).
+- ``remote``: the Kimi remote-code / released K3 layout (``{q,k,v}_conv1d``, ``block_sparse_moe``,
+  per-expert ``w1/w2/w3``, K3's ``routed_expert_*`` and AttnRes ``*_res_{proj,norm}``, ``A_log`` [128]).
+
+PyTorch linears are [out, in]; ours are [in, out], hence the transposes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+T = np.transpose
+
+
+def _t(a):
+    return np.ascontiguousarray(a.T)
+
+
+def _same(a):
+    return a
+
+
+def _row(a):          # [1, D] <-> [D]
+    return a.reshape(-1)
+
+
+def _unrow(a):
+    return a.reshape(1, -1)
+
+
+def global_rules(m, layout: str = "native"):
+    pre = "language_model." if layout == "remote_prefixed" else ""
+    rules = [("embed_tokens", [pre + "model.embed_tokens.weight"], _same, _same),
+             ("norm.weight", [pre + "model.norm.weight"], _same, _same)]
+    if not m.tie_word_embeddings:
+        rules.append(("lm_head", [pre + "lm_head.weight"], _t, _t))
+    if m.attn_res:
+        rules += [("output_attn_res_proj", [pre + "model.output_attn_res_proj.weight"], _row, _unrow),
+                  ("output_attn_res_norm", [pre + "model.output_attn_res_norm.weight"], _same, _same)]
+    return rules
+
+
+def layer_rules(m, l: int, layout: str = "native"):
+    """Rules for decoder layer ``l``: (our dotted name, [hf names], to_ours, to_hf)."""
+    pre = ("language_model." if layout == "remote_prefixed" else "") + f"model.layers.{l}."
+    remote = layout.startswith("remote")
+    a = pre + "self_attn."
+    r = [("input_layernorm.weight", [pre + "input_layernorm.weight"], _same, _same),
+         ("post_attention_layernorm.weight", [pre + "post_attention_layernorm.weight"], _same, _same)]
+    if m.attn_res:
+        r += [("res.attn_res_proj", [pre + "self_attention_res_proj.weight"], _row, _unrow),
+              ("res.attn_res_norm", [pre + "self_attention_res_norm.weight"], _same, _same),
+              ("res.mlp_res_proj", [pre + "mlp_res_proj.weight"], _row, _unrow),
+              ("res.mlp_res_norm", [pre + "mlp_res_norm.weight"], _same, _same)]
+    lin = lambda ours, hf: (f"self_attn.{ours}", [a + hf], _t, _t)  # noqa: E731
+    if m.mixer(l) == "kda":
+        h, p = m.kda_num_heads, m.kda_num_heads * m.kda_head_dim
+        r += [lin("q_proj", "q_proj.weight"), lin("k_proj", "k_proj.weight"), lin("v_proj", "v_proj.weight"),
+              lin("b_proj", "b_proj.weight"), lin("o_proj", "o_proj.weight"),
+              ("self_attn.o_norm", [a + "o_norm.weight"], _same, _same)]
+        fg = "" if remote else "forget_gate."
+        r += [lin("f_a_proj", fg + "f_a_proj.weight"), lin("f_b_proj", fg + "f_b_proj.weight"),
+              ("self_attn.dt_bias", [a + fg + "dt_bias"], lambda x: x.reshape(-1), lambda x: x)]
+        if remote and m.kda_gate == "bounded":
+            # K3 stores A_log [128] with the first H real; zero-pad on export (NeMo convention).
+            r.append(("self_attn.A_log", [a + "A_log"], lambda x: x.reshape(-1)[:h],
+                      lambda x: np.pad(x, (0, max(0, 128 - h)))))
+        else:
+            r.append(("self_attn.A_log", [a + fg + "A_log"], lambda x: x.reshape(-1)[:h],
+                      lambda x: x.reshape(1, 1, h, 1)))
+        if m.kda_output_gate == "full":
+            r.append(lin("g_proj", "g_proj.weight"))
+        else:
+            r += [lin("g_a_proj", "g_a_proj.weight"), lin("g_b_proj", "g_b_proj.weight")]
+        if remote:
+            for n in "qkv":
+                r.append((f"self_attn.{n}_conv", [a + f"{n}_conv1d.weight"], lambda x: x[:, 0, :],
+                          lambda x: x[:, None, :]))
+        else:
+            for i, n in enumerate("qkv"):  # fused conv rows q | k | v
+                r.append((f"self_attn.{n}_conv", [a + "conv1d.weight"],
+                          lambda x, i=i: x[i * p:(i + 1) * p, 0, :], None))
+    else:
+        if m.q_lora_rank:
+            r += [lin("q_a_proj", "q_a_proj.weight"), ("self_attn.q_a_layernorm", [a + "q_a_layernorm.weight"], _same, _same),
+                  lin("q_b_proj", "q_b_proj.weight")]
+        else:
+            r.append(lin("q_proj", "q_proj.weight"))
+        r += [lin("kv_a_proj_with_mqa", "kv_a_proj_with_mqa.weight"),
+              ("self_attn.kv_a_layernorm", [a + "kv_a_layernorm.weight"], _same, _same),
+              lin("kv_b_proj", "kv_b_proj.weight"), lin("o_proj", "o_proj.weight")]
+        if m.mla_use_output_gate:
+            r.append(lin("g_proj", "g_proj.weight"))
+    r += ffn_rules(m, l, pre, remote)
+    return r
+
+
+def ffn_rules(m, l, pre, remote):
+    if m.ffn(l) == "dense":
+        return [(f"mlp.{n}", [pre + f"mlp.{n}.weight"], _t, _t) for n in ("gate_proj", "up_proj", "down_proj")]
+    b = pre + ("block_sparse_moe." if remote else "mlp.")
+    e, f = m.num_experts, m.moe_intermediate_size
+    r = [("mlp.router", [b + "gate.weight"], _t, _t),
+         ("mlp.e_score_correction_bias", [b + "gate.e_score_correction_bias"], _same, _same)]
+    if m.num_shared_experts:
+        r += [(f"mlp.shared_experts.{n}", [b + f"shared_experts.{n}.weight"], _t, _t)
+              for n in ("gate_proj", "up_proj", "down_proj")]
+    if m.moe_latent_size:
+        r += [("mlp.latent_down", [b + "routed_expert_down_proj.weight"], _t, _t),
+              ("mlp.latent_up", [b + "routed_expert_up_proj.weight"], _t, _t)]
+        if m.moe_latent_norm:
+            r.append(("mlp.latent_norm", [b + "routed_expert_norm.weight"], _same, _same))
+    if remote:  # per-expert [out, in] tensors, stacked into [E, in, out]
+        for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+            names = [b + f"experts.{i}.{w}.weight" for i in range(e)]
+            r.append((f"mlp.{ours}", names, lambda *xs: np.stack([x.T for x in xs]),
+                      lambda x: [np.ascontiguousarray(x[i].T) for i in range(x.shape[0])]))
+    else:
+        gu = b + "experts.gate_up_proj"
+        r += [("mlp.w_gate", [gu], lambda x: np.ascontiguousarray(x[:, :f, :].transpose(0, 2, 1)), None),
+              ("mlp.w_up", [gu], lambda x: np.ascontiguousarray(x[:, f:, :].transpose(0, 2, 1)), None),
+              ("mlp.w_down", [b + "experts.down_proj"], lambda x: np.ascontiguousarray(x.transpose(0, 2, 1)),
+               lambda x: np.ascontiguousarray(x.transpose(0, 2, 1)))]
+    return r
+
+
+def detect_layout(names) -> str:
+    names = set(names)
+    prefixed = any(n.startswith("language_model.") for n in names)
+    remote = any(".block_sparse_moe." in n or "_conv1d.weight" in n for n in names)
+    return "remote_prefixed" if prefixed else ("remote" if remote else "native")
