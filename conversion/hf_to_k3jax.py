@@ -25,7 +25,10 @@ def model_overrides_from_hf(hf: dict) -> dict:
     c = hf.get("text_config", hf)
     lin = c.get("linear_attn_config") or {}
     n = c["num_hidden_layers"]
-    if c.get("layer_types"):
+    deepseek = c.get("model_type") in ("deepseek_v3", "kimi_k2")
+    if deepseek:  # Kimi K2 / DeepSeek-V3: every layer is MLA (with RoPE)
+        mla = list(range(n))
+    elif c.get("layer_types"):
         mla = [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
     elif lin.get("full_attn_layers"):
         mla = [i - 1 for i in lin["full_attn_layers"]]
@@ -62,6 +65,16 @@ def model_overrides_from_hf(hf: dict) -> dict:
          "ffn_activation": "situ" if c.get("hidden_act") == "situ" else "swiglu",
          "attn_res": bool(c.get("attn_res_block_size")),
          "attn_res_block_size": c.get("attn_res_block_size") or 12}
+    o = {k: v for k, v in o.items() if v is not None or k in ("q_lora_rank", "moe_latent_size")}
+    if deepseek:
+        rp = c.get("rope_parameters") or dict(c.get("rope_scaling") or {}, rope_theta=c.get("rope_theta", 10000.0))
+        o.update(mla_use_rope=True, rope_theta=float(rp.get("rope_theta", 10000.0)))
+        if rp.get("rope_type", rp.get("type")) == "yarn":
+            o.update(rope_scaling_factor=float(rp["factor"]),
+                     rope_original_max_position=int(rp["original_max_position_embeddings"]),
+                     rope_beta_fast=float(rp.get("beta_fast", 32)), rope_beta_slow=float(rp.get("beta_slow", 1)),
+                     rope_mscale=float(rp.get("mscale", 1)), rope_mscale_all_dim=float(rp.get("mscale_all_dim", 0)))
+        o["max_position_embeddings"] = c.get("max_position_embeddings", 4096)
     full_gate = bool(get("use_full_rank_gate", default=False))
     o["kda_output_gate"] = "full" if full_gate else "low_rank"
     if c.get("gate_lower_bound") is not None:
@@ -75,11 +88,12 @@ def model_overrides_from_hf(hf: dict) -> dict:
 
 def _mla_schedule(n: int, mla: list[int]) -> dict:
     """Express the MLA layer set as a period (K3/Kimi Linear: every 4th) plus extra layers."""
-    for p in (4, 3, 2, 1):
+    best = {"mla_every": 0, "mla_extra_layers": sorted(mla)}
+    for p in (4, 3, 2, 1):  # the period leaving the fewest extra layers
         per = {l for l in range(n) if l % p == p - 1}
-        if per and per <= set(mla):
-            return {"mla_every": p, "mla_extra_layers": sorted(set(mla) - per)}
-    return {"mla_every": 0, "mla_extra_layers": sorted(mla)}
+        if per and per <= set(mla) and len(set(mla) - per) < len(best["mla_extra_layers"]):
+            best = {"mla_every": p, "mla_extra_layers": sorted(set(mla) - per)}
+    return best
 
 
 def layer_location(model, l: int):

@@ -13,7 +13,8 @@ from conversion.safetensors_io import CheckpointReader, read_config
 from k3jax import config as C
 from k3jax import model as M
 
-ASSET = Path(__file__).parent / "assets" / "kimi_linear_tiny"
+ASSETS = Path(__file__).parent / "assets"
+ASSET = ASSETS / "kimi_linear_tiny"
 
 
 def rel_rms(a, b):
@@ -21,14 +22,38 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
+def load_asset(asset: Path, tmp, *extra):
+    (tmp / "model.yml").write_text(yaml.safe_dump(model_overrides_from_hf(read_config(str(asset)))))
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={tmp / 'model.yml'}", *extra])
+    reader = CheckpointReader(str(asset))
+    model = load_into_model(M.build(cfg, 0), cfg.model, reader.get_dequantized, reader.keys())
+    return cfg, model, np.load(asset / "golden.npz")
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kl")
-    (d / "model.yml").write_text(yaml.safe_dump(model_overrides_from_hf(read_config(str(ASSET)))))
-    cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={d / 'model.yml'}", "scan_layers=false"])
-    reader = CheckpointReader(str(ASSET))
-    model = load_into_model(M.build(cfg, 0), cfg.model, reader.get_dequantized, reader.keys())
-    return cfg, model, np.load(ASSET / "golden.npz")
+    return load_asset(ASSET, tmp_path_factory.mktemp("kl"), "scan_layers=false")
+
+
+def test_deepseek_v3_yarn_logits_and_decode(tmp_path):
+    """Kimi K2 / DeepSeek-V3 switches: all-MLA with YaRN RoPE, grouped top-k, q LoRA; positions
+    run past the YaRN original length (32) up to 72."""
+    from k3jax.decode import left_pad, prefill
+    cfg, model, g = load_asset(ASSETS / "deepseek_v3_tiny", tmp_path)
+    m = cfg.model
+    assert m.mla_use_rope and m.rope_scaling_factor == 4 and (m.n_group, m.topk_group) == (4, 2)
+    assert model.layout.num_periods == 3
+    ids = np.asarray(g["input_ids"], np.int32)
+    logits, _ = model(jnp.asarray(ids))
+    assert rel_rms(logits, g["logits"]) <= 1e-4
+    n, steps = int(g["decode_prompt_len"]), g["decode_logits"].shape[1]
+    toks, seg, start = left_pad([list(r[:n]) for r in ids])
+    lg, cache = prefill(model, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start), n + steps)
+    got = []
+    for i in range(steps):
+        lg, cache = model.decode_step(jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
+        got.append(lg)
+    assert rel_rms(jnp.stack(got, 1), g["decode_logits"]) <= 1e-4
 
 
 def test_derived_config_matches_asset(loaded):

@@ -1,0 +1,127 @@
+"""Orbax checkpoints: separate items ``params``, ``opt_state``, ``extra`` (router biases, step
+counters) and ``data`` (the grain iterator), so a params-only restore is a single item and any item
+can be restored onto a different mesh (the target's shardings decide the placement).
+
+Layout: ``<run>/checkpoints/<step>/{params,opt_state,extra,data}``. The converter writes
+``<out>/params`` (+ ``<out>/model.yml``); ``load_parameters_path`` accepts a step directory, a run
+directory (latest step), a ``checkpoints`` directory or a converter output directory.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which path and why."""
+
+
+def _restore_args(abstract):
+    return jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+                        abstract)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True,
+                 with_data: bool = True):
+        import grain
+        self.directory = Path(directory).absolute()
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "extra": ocp.StandardCheckpointHandler()}
+        if with_data:
+            handlers["data"] = grain.checkpoint.CheckpointHandler()
+        self.with_data = with_data
+        self.mngr = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                                 create=True),
+            item_handlers=handlers)
+
+    def latest_step(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, params, opt_state, extra, data_iter=None, *, force: bool = False) -> bool:
+        import grain
+        args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state),
+                "extra": ocp.args.StandardSave(extra)}
+        if self.with_data and data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        return self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+
+    def restore(self, step: int, abstract_params, abstract_opt_state, abstract_extra, data_iter=None):
+        """Restore onto the shardings carried by the abstract targets (any mesh shape)."""
+        import grain
+        args = {"params": ocp.args.StandardRestore(abstract_params),
+                "opt_state": ocp.args.StandardRestore(abstract_opt_state),
+                "extra": ocp.args.StandardRestore(abstract_extra)}
+        if self.with_data and data_iter is not None:
+            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        try:
+            r = self.mngr.restore(step, args=ocp.args.Composite(**args))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
+        return r["params"], r["opt_state"], r["extra"]
+
+    def wait(self):
+        self.mngr.wait_until_finished()
+
+    def close(self):
+        self.mngr.wait_until_finished()
+        self.mngr.close()
+
+
+def resolve_params_dir(path: str | Path) -> Path:
+    """Find the ``params`` item under a step dir, run dir, checkpoints dir or converter output."""
+    p = Path(path).absolute()
+    if not p.exists():
+        raise CheckpointError(f"load_parameters_path={path}: no such directory")
+    if (p / "params").is_dir():
+        return p / "params"
+    if p.name == "params" and p.is_dir():
+        return p
+    ckpts = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    steps = sorted((int(d.name), d) for d in ckpts.iterdir() if d.is_dir() and d.name.isdigit()
+                   and (d / "params").is_dir())
+    if not steps:
+        raise CheckpointError(f"load_parameters_path={path}: no 'params' item and no checkpoint steps found "
+                              f"(expected <step>/params, a run directory, or a converter output directory)")
+    return steps[-1][1] / "params"
+
+
+def load_params(path: str | Path, abstract_params):
+    """Params-only restore (e.g. from converted weights) onto the target's shardings; shapes and
+    dtypes are checked against the model, and a mismatch names the first offending parameters."""
+    d = resolve_params_dir(path)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        meta = ckptr.metadata(d)
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
+        raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
+    _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
+    return ckptr.restore(d, abstract_params)
+
+
+def _flat(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k): v for k, v in leaves}
+
+
+def _check_compatible(meta, abstract, where):
+    want = _flat(abstract)
+    have = _flat(meta)
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"{where}: parameter tree does not match the model config "
+                              f"(missing {len(missing)}: {missing[:4]}; unexpected {len(extra)}: {extra[:4]}); "
+                              f"check model_name")
+    for k, a in want.items():
+        shape = tuple(getattr(have[k], "shape", ()))
+        if shape != tuple(a.shape):
+            raise CheckpointError(f"{where}: {k} has shape {shape} in the checkpoint but {tuple(a.shape)} in the "
+                                  f"model; check model_name")

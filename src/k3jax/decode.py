@@ -1,0 +1,200 @@
+"""Generation: ``python -m k3jax.decode configs/base.yml load_parameters_path=... prompt="..."``.
+
+Prompts are left-padded to a common length with segment id 0 on the padding, so one prefill gives
+every row a correct cache: KDA resets its state at the padding -> prompt boundary and the convolution
+sees zeros there, MLA masks the padded keys. Decoding then runs as one jitted ``lax.while_loop``
+(no per-token recompilation) over ``model.decode_step`` with the cache (KDA recurrent + conv state,
+constant in context length; the MLA latent cache c|k_r). Finished rows stop emitting; tokens are
+streamed to the host with an ordered debug callback.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import config as C
+from k3jax import model as M
+from k3jax.checkpoint import CheckpointError, load_params
+from k3jax.layers.common import RouterBias
+from k3jax.runtime import load_tokenizer
+from k3jax.sharding import make_mesh
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0):
+    """-> tokens [B,P] int32, segment_ids [B,P] (0 on padding, 1 on the prompt), start [B]."""
+    p = max(len(x) for x in prompts)
+    toks = np.full((len(prompts), p), pad_id, np.int32)
+    seg = np.zeros((len(prompts), p), np.int32)
+    for i, ids in enumerate(prompts):
+        toks[i, p - len(ids):] = ids
+        seg[i, p - len(ids):] = 1
+    return toks, seg, np.array([p - len(x) for x in prompts], np.int32)
+
+
+def _pad_mla(cache, total: int, axis: int):
+    if "c" not in cache:
+        return cache
+    pad = lambda x: jnp.pad(x, [(0, total - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])  # noqa: E731
+    return {k: pad(v) for k, v in cache.items()}
+
+
+def prefill(model, tokens, segment_ids, start, total_len: int, mesh=None):
+    """Prompt forward -> (last-position logits [B,V] f32, decode cache with room for total_len)."""
+    positions = jnp.maximum(jnp.arange(tokens.shape[1])[None, :] - start[:, None], 0)
+    h, _, caches = model.hidden(tokens, segment_ids, positions, mesh=mesh, return_cache=True)
+    logits = jnp.einsum("bd,dv->bv", h[:, -1], model.head_weight().astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    cache = {"prefix": [_pad_mla(c, total_len, 1) for c in caches["prefix"]],
+             "periods": None if caches["periods"] is None else [_pad_mla(c, total_len, 2) for c in caches["periods"]],
+             "tail": [_pad_mla(c, total_len, 1) for c in caches["tail"]]}
+    return logits, cache
+
+
+def sample(logits, key, *, greedy: bool, temperature: float, top_k: int, top_p: float):
+    """logits [B,V] f32 -> token ids [B]."""
+    if greedy:
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    logits = logits / max(temperature, 1e-6)
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.sort(logits, -1)[:, ::-1]
+        probs = jax.nn.softmax(order, -1)
+        keep = jnp.cumsum(probs, -1) - probs < top_p                      # always keeps the top token
+        cutoff = jnp.min(jnp.where(keep, order, jnp.inf), -1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
+             temperature=1.0, top_k=0, top_p=1.0, seed=0, mesh=None, on_tokens=None, pad_id=0):
+    """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict)."""
+    toks, seg, start = left_pad(prompts, pad_id)
+    b, p = toks.shape
+    total = p + max_new_tokens
+    gdef, state = nnx.split(model)
+    stop = jnp.asarray(list(stop_ids) or [-2], jnp.int32)
+    samp = functools.partial(sample, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    @jax.jit
+    def run_prefill(state, toks, seg, start):
+        return prefill(nnx.merge(gdef, state), toks, seg, start, total, mesh)
+
+    @jax.jit
+    def run_decode(state, logits, cache, start, key):
+        m = nnx.merge(gdef, state)
+
+        def cond(c):
+            return (c["i"] < max_new_tokens) & ~jnp.all(c["done"])
+
+        def body(c):
+            tok = samp(c["logits"], jax.random.fold_in(key, c["i"]))
+            tok = jnp.where(c["done"], -1, tok)
+            if on_tokens is not None:
+                jax.debug.callback(on_tokens, c["i"], tok, ordered=True)
+            done = c["done"] | jnp.isin(tok, stop)
+            logits, cache = m.decode_step(jnp.maximum(tok, 0), c["cache"], p + c["i"], start, mesh=mesh)
+            return {"i": c["i"] + 1, "done": done, "logits": logits, "cache": cache,
+                    "out": c["out"].at[:, c["i"]].set(tok)}
+
+        init = {"i": jnp.zeros((), jnp.int32), "done": jnp.zeros((b,), bool), "logits": logits, "cache": cache,
+                "out": jnp.full((b, max_new_tokens), -1, jnp.int32)}
+        return jax.lax.while_loop(cond, body, init)["out"]
+
+    args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start))
+    pre = run_prefill.lower(*args).compile()
+    t0 = time.perf_counter()
+    logits, cache = jax.block_until_ready(pre(*args))
+    t_prefill = time.perf_counter() - t0
+    key = jax.random.key(seed)
+    dec = run_decode.lower(state, logits, cache, args[3], key).compile()
+    t0 = time.perf_counter()
+    out = np.asarray(jax.block_until_ready(dec(state, logits, cache, args[3], key)))
+    t_decode = time.perf_counter() - t0
+    n_new = int((out >= 0).sum())
+    timing = {"prefill_tokens_per_s": int((seg > 0).sum()) / t_prefill, "decode_tokens_per_s": n_new / t_decode,
+              "prefill_s": t_prefill, "decode_s": t_decode, "new_tokens": n_new}
+    return out, timing
+
+
+def load_model(cfg, mesh):
+    """Sharded model with parameters from load_parameters_path (or random, with a loud warning)."""
+    model = M.create_sharded(cfg, mesh)
+    if cfg.checkpoint.load_parameters_path:
+        gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
+        abs_p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+        params = load_params(cfg.checkpoint.load_parameters_path, abs_p)
+        _load_router_biases(cfg.checkpoint.load_parameters_path, rest)
+        model = nnx.merge(gdef, params, rest)
+    else:
+        print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
+    return model
+
+
+def _load_router_biases(path, rest):
+    """Training checkpoints keep the router biases in the 'extra' item; restore them when present."""
+    import orbax.checkpoint as ocp
+
+    from k3jax.checkpoint import resolve_params_dir
+    extra = resolve_params_dir(path).parent / "extra"
+    if extra.is_dir() and jax.tree.leaves(rest):
+        abs_r = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rest)
+        nnx.update(rest, ocp.StandardCheckpointer().restore(extra, abs_r))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = C.load_from_argv(argv)
+        d = cfg.decode
+        if not d.prompt.strip():
+            raise C.ConfigError("prompt is empty; pass prompt=\"some text\"")
+        tok = load_tokenizer(cfg)
+        if d.chat:
+            from k3jax.data.chat_template import render
+            ids, _ = render(tok, [{"role": "user", "content": d.prompt}], add_generation_prompt=True)
+        else:
+            ids = tok.encode(d.prompt, add_bos=True)
+        budget = d.max_prefill_length or cfg.train.max_target_length
+        if len(ids) > budget:
+            raise C.ConfigError(f"prompt is {len(ids)} tokens but max_prefill_length/max_target_length allows "
+                                f"{budget}; shorten the prompt or raise max_target_length")
+        mesh = make_mesh(cfg)
+        model = load_model(cfg, mesh)
+        printed = []
+
+        def stream(i, toks):
+            if d.stream:
+                t = int(np.asarray(toks)[0])
+                if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
+                    piece = tok.decode(printed + [t])[len(tok.decode(printed)):]
+                    printed.append(t)
+                    print(piece, end="", flush=True)
+
+        with jax.set_mesh(mesh):
+            out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
+                                   stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
+                                   temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
+                                   mesh=mesh, on_tokens=stream)
+    except (C.ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    new = [t for t in out[0].tolist() if t >= 0 and t not in (tok.eos_id, tok.im_end_id)]
+    if not d.stream:
+        print(d.prompt + tok.decode(new))
+    else:
+        print()
+    print(f"prefill {timing['prefill_tokens_per_s']:.1f} tokens/s, decode {timing['decode_tokens_per_s']:.1f} "
+          f"tokens/s ({timing['new_tokens']} new tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

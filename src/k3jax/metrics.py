@@ -1,0 +1,73 @@
+"""Step metrics: throughput, model FLOP/s and MFU, written to stdout, JSONL and TensorBoard."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 peak TFLOP/s per chip (Google Cloud TPU docs; NVIDIA datasheets, dense).
+PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v5p": 459.0,
+               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0, "NVIDIA H100": 989.0,
+               "NVIDIA H200": 989.0, "NVIDIA B200": 2250.0, "NVIDIA GB200": 2500.0}
+
+_CPU_PEAK: float | None = None
+
+
+def measure_cpu_matmul_tflops(n: int = 1024, seconds: float = 0.5) -> float:
+    """The machine's own float32 matmul rate on one device, as the CPU 'peak' for MFU."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        f(a).block_until_ready()
+        reps += 1
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def peak_tflops_per_device(override: float | None = None) -> float:
+    global _CPU_PEAK
+    if override:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, peak in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if kind.startswith(name):
+            return peak
+    if _CPU_PEAK is None:
+        _CPU_PEAK = measure_cpu_matmul_tflops()
+    return _CPU_PEAK
+
+
+class MetricsWriter:
+    """One JSON object per logged step in ``metrics.jsonl``; TensorBoard scalars when available."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard and jax.process_index() == 0:
+            try:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                print("note: tensorboardX is not installed; TensorBoard logging is off", file=sys.stderr)
+
+    def write(self, record: dict) -> None:
+        if jax.process_index() != 0:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,84 @@
+"""Training loop: checkpoints, exact resume after SIGKILL, metrics, decode from the checkpoint, CLI
+errors. Runs real subprocesses of ``python -m k3jax.train`` / ``k3jax.decode`` on one CPU device."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = ["model_name=tiny", "vocab_size=512", "per_device_batch_size=2", "max_target_length=32",
+        "log_period=1", "enable_tensorboard=false", "async_checkpointing=false"]
+
+
+def env():
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    e["XLA_FLAGS"] = ""  # one device: the same in every process of a test
+    return e
+
+
+def run(tool, *args, check=True, timeout=600):
+    p = subprocess.run([sys.executable, "-m", f"k3jax.{tool}", "configs/base.yml", *args], env=env(),
+                       capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if check and p.returncode != 0:
+        raise AssertionError(f"{tool} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def losses(run_dir):
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs}
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    common = TINY + [f"base_output_directory={tmp_path}", "steps=10", "checkpoint_period=3"]
+    run("train", *common, "run_name=straight")
+    want = losses(tmp_path / "straight")
+    assert sorted(want) == list(range(1, 11))
+
+    # Start again, SIGKILL the process once step 7 is logged (checkpoint 6 exists), then resume.
+    cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", *common, "run_name=killed"]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 500
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run("train", *common, "run_name=killed")
+    assert "resumed from" in resumed.stdout
+    got = losses(tmp_path / "killed")  # resumed steps overwrite the killed run's later entries
+    assert got == want, (got, want)
+
+
+def test_metrics_checkpoint_and_decode(tmp_path):
+    run("train", *TINY, f"base_output_directory={tmp_path}", "run_name=r", "steps=4", "checkpoint_period=2")
+    rec = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("step", "loss", "tokens_per_s", "tflops_per_device", "mfu", "grad_norm", "learning_rate",
+                "expert_load_max_over_mean"):
+        assert key in rec
+    assert (tmp_path / "r" / "config.yml").exists()
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    out = run("decode", *TINY, f"base_output_directory={tmp_path}",
+              f"load_parameters_path={tmp_path}/r/checkpoints/4", "prompt=I love to", "max_new_tokens=5")
+    assert "decode" in out.stdout and "tokens/s" in out.stdout
+    assert "RANDOM" not in out.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["prompt="], "prompt is empty"),
+    (["prompt=" + "word " * 200, "max_target_length=16"], "shorten the prompt"),
+    (["sampling=beam"], "sampling='beam': must be one of greedy, sample"),
+    (["load_parameters_path=/nonexistent/x"], "no such directory"),
+])
+def test_decode_cli_errors(tmp_path, args, fragment):
+    p = run("decode", *TINY, f"base_output_directory={tmp_path}", *args, check=False)
+    assert p.returncode == 2
+    assert fragment in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0, p.stderr
