@@ -231,8 +231,22 @@ class DecodeConfig:
     stream: bool = _f(True, "print tokens as they are produced")
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    golden: Optional[str] = _f(None, "logit_check: .npz with tokens [B,T] and reference logits [B,T,V]")
+    max_kl: float = _f(0.01, "logit_check: fail when the max per-token KL divergence exceeds this")
+    atol: float = _f(1.0, "logit_check: fail when the max absolute logit error exceeds this")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
+    compile_step: str = _f("both", "compile: train | decode | both", ("train", "decode", "both"))
+    topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
+
+
 SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig}
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "check": CheckConfig, "compile": CompileConfig}
 TOP_LEVEL = ("model_name",)
 
 
@@ -246,6 +260,8 @@ class Config:
     checkpoint: CheckpointConfig
     mesh: MeshConfig
     decode: DecodeConfig
+    check: CheckConfig
+    compile: CompileConfig
 
     def flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model_name": self.model_name}
