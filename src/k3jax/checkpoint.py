@@ -106,6 +106,16 @@ def load_params(path: str | Path, abstract_params):
     return ckptr.restore(d, abstract_params)
 
 
+def load_extra(path: str | Path, rest):
+    """Router biases (the ``extra`` item beside ``params``) when the checkpoint has them; they decide
+    expert selection, so converted and trained weights need them too. Returns ``rest`` otherwise."""
+    extra = resolve_params_dir(path).parent / "extra"
+    if not extra.is_dir() or not jax.tree.leaves(rest):
+        return rest
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rest)
+    return ocp.StandardCheckpointer().restore(extra, abstract)
+
+
 def _flat(tree):
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(k): v for k, v in leaves}

@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax import model as M
-from k3jax.checkpoint import CheckpointError, load_params
+from k3jax.checkpoint import CheckpointError, load_extra, load_params
 from k3jax.layers.common import RouterBias
 from k3jax.runtime import load_tokenizer
 from k3jax.sharding import make_mesh
@@ -131,22 +131,11 @@ def load_model(cfg, mesh):
         gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
         abs_p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
         params = load_params(cfg.checkpoint.load_parameters_path, abs_p)
-        _load_router_biases(cfg.checkpoint.load_parameters_path, rest)
+        rest = load_extra(cfg.checkpoint.load_parameters_path, rest)
         model = nnx.merge(gdef, params, rest)
     else:
         print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
     return model
-
-
-def _load_router_biases(path, rest):
-    """Training checkpoints keep the router biases in the 'extra' item; restore them when present."""
-    import orbax.checkpoint as ocp
-
-    from k3jax.checkpoint import resolve_params_dir
-    extra = resolve_params_dir(path).parent / "extra"
-    if extra.is_dir() and jax.tree.leaves(rest):
-        abs_r = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rest)
-        nnx.update(rest, ocp.StandardCheckpointer().restore(extra, abs_r))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,13 +26,13 @@ from flax import nnx
 from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
-from k3jax.checkpoint import Checkpointer, CheckpointError, load_params
+from k3jax.checkpoint import Checkpointer, CheckpointError, load_extra, load_params
 from k3jax.kernels.moe import balance
 from k3jax.layers.common import RouterBias
 from k3jax.loss import chunked_cross_entropy
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.runtime import load_tokenizer
-from k3jax.optim import init_sharded, make_optimizer, qk_clip
+from k3jax.optim import init_sharded, make_optimizer, make_schedule, qk_clip
 from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
 
 log = logging.getLogger("k3jax.train")
@@ -118,7 +118,8 @@ def make_train_step(cfg, gdef, tx, mesh):
         grad_norm = optax.global_norm(grads)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "accuracy": correct / jnp.maximum(weight, 1)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": weight,
+                   "accuracy": correct / jnp.maximum(weight, 1)}
         if t.use_qk_clip and any("max_logits" in a for a in aux["prefix"] + aux["tail"] + (aux["periods"] or [])):
             new_params, clip = qk_clip(new_params, aux, threshold=t.qk_clip_threshold, cfg_model=cfg.model)
             metrics["qk_clipped_heads"] = clip["clipped_heads"]
@@ -166,6 +167,7 @@ def setup_state(cfg, mesh, tx_cfg=None):
     if cfg.checkpoint.load_parameters_path:
         abs_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
         params = load_params(cfg.checkpoint.load_parameters_path, abs_params)
+        rest = load_extra(cfg.checkpoint.load_parameters_path, rest)
         print(f"loaded parameters from {cfg.checkpoint.load_parameters_path}")
     tx = make_optimizer(tx_cfg or dataclasses.replace(cfg.train, gradient_accumulation_steps=1), params)
     with jax.set_mesh(mesh):
@@ -205,6 +207,7 @@ def train(cfg, *, on_step=None) -> dict:
     flops_tok = counts.train_flops_per_token(cfg.model, cfg.train.max_target_length, cfg.kernel.kda_chunk_size)
     peak = peak_tflops_per_device(cfg.train.peak_tflops)
     writer = MetricsWriter(run_dir, cfg.train.enable_tensorboard)
+    schedule = make_schedule(cfg.train)
     tty = sys.stdout.isatty()
     history = []
     t_last = time.perf_counter()
@@ -220,9 +223,9 @@ def train(cfg, *, on_step=None) -> dict:
                                     f"is kept (set nan_policy=skip to skip such steps)")
             now = time.perf_counter()
             dt, t_last = now - t_last, now
-            tokens = float(m["tokens"])
+            tokens = float(gb * cfg.train.max_target_length)  # processed, padding included
             rec = {"step": step + 1, **{k: float(v) for k, v in m.items() if k != "finite"},
-                   "learning_rate": float(tx_lr(cfg, step)), "step_time_s": dt, "tokens_per_s": tokens / dt,
+                   "learning_rate": float(schedule(step)), "step_time_s": dt, "tokens_per_s": tokens / dt,
                    "tflops_per_device": tokens * flops_tok / dt / n_dev / 1e12}
             rec["mfu"] = rec["tflops_per_device"] / peak
             history.append(rec)
@@ -242,11 +245,6 @@ def train(cfg, *, on_step=None) -> dict:
             ckpt.close()
         writer.close()
     return {"history": history, "state": state, "run_dir": run_dir}
-
-
-def tx_lr(cfg, step: int) -> float:
-    from k3jax.optim.schedule import make_schedule
-    return make_schedule(cfg.train)(step)
 
 
 def main(argv: list[str] | None = None) -> int:
