@@ -117,6 +117,7 @@ def test_sharded_forward_equals_single_device():
     mesh = S.make_mesh(cfg)
     sharded = M.create_sharded(cfg, mesh, seed=0)
     single = M.build(cfg, 0)
+    nnx.update(single, jax.device_get(nnx.state(sharded)))  # same values, one device
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.model.vocab_size, (8, 16)))
     want, _ = single(tokens)
     with jax.set_mesh(mesh):

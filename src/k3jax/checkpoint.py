@@ -117,8 +117,16 @@ def load_extra(path: str | Path, rest):
 
 
 def _flat(tree):
+    """{'a/b/c': leaf}; Variables flatten as attribute '.value' in the abstract tree but as a
+    'value' dict key in orbax metadata, so both are normalised to plain path parts."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(k): v for k, v in leaves}
+
+    def part(k):
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+    return {"/".join(part(k) for k in path): v for path, v in leaves}
 
 
 def _check_compatible(meta, abstract, where):

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.layers.attn_res import AttnResSites, attn_res_mix
-from k3jax.layers.common import MLP, RMSNorm, dtype_of, ones, param
+from k3jax.layers.common import MLP, CountingSampler, FlatSampler, RMSNorm, dtype_of, ones, param, zeros
 from k3jax.layers.kda import KDA, kda_cache_shapes
 from k3jax.layers.mla import MLA, mla_cache_shapes
 from k3jax.layers.moe import MoE
@@ -161,7 +161,7 @@ class K3Model(nnx.Module):
         self.tail = nnx.List([mk(l) for l in self.layout.tail])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs, (), dtype)
         if cfg.attn_res:
-            self.output_attn_res_proj = param(rngs, (), (d,), ("norm",), init=lambda k, s, t: jnp.zeros(s, t), dtype=dtype)
+            self.output_attn_res_proj = param(rngs, (), (d,), ("norm",), init=zeros, dtype=dtype)
             self.output_attn_res_norm = param(rngs, (), (d,), ("norm",), init=ones, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (), (d, v), ("embed", "vocab"), std=std, dtype=dtype, matrix=None)
@@ -285,11 +285,27 @@ class K3Model(nnx.Module):
         return logits, new
 
 
-def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
-    """Construct the model from a full Config (dtypes, scan flag and kernels from its sections)."""
-    rngs = nnx.Rngs(rngs) if isinstance(rngs, int) else rngs
+FLAT_INIT_MAX_PARAMS = 2 ** 28  # below this, init draws from two flat buffers (fast CPU compiles)
+
+
+def _sampler(cfg, seed: int):
+    """FlatSampler for small models, else per-parameter keys. Both are deterministic in the seed."""
+    counter = CountingSampler()
+    nnx.eval_shape(lambda: _construct(cfg, counter))
+    if counter.n_normal + counter.n_uniform > FLAT_INIT_MAX_PARAMS:
+        return nnx.Rngs(seed)
+    return FlatSampler(jax.random.key(seed), counter.n_normal, counter.n_uniform)
+
+
+def _construct(cfg, rngs):
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers, dtype=dtype_of(cfg.train.weight_dtype),
                    compute_dtype=dtype_of(cfg.train.dtype))
+
+
+def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
+    """Construct the model from a full Config (dtypes, scan flag and kernels from its sections).
+    An int seed picks the sampler by size (see ``_sampler``); an nnx.Rngs uses per-leaf keys."""
+    return _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
 
 
 # ---- abstract state, shardings, sharded init ----------------------------------------------------
@@ -301,7 +317,7 @@ def _is_var(x):
 def abstract(cfg):
     """(graphdef, abstract state): shapes, dtypes and logical axes, allocating nothing.
     Works for the full kimi-k3 (2.78T parameters) as well as the tiny config."""
-    model = nnx.eval_shape(lambda: build(cfg, 0))
+    model = nnx.eval_shape(lambda: _construct(cfg, nnx.Rngs(0)))
     return nnx.split(model)
 
 
@@ -317,12 +333,19 @@ def count_params(state) -> int:
 
 
 def create_sharded(cfg, mesh, seed: int | None = None) -> K3Model:
-    """Initialise parameters directly into their shardings (jit with out_shardings)."""
+    """Initialise parameters into their shardings.
+
+    Pod-scale models are initialised by a jit whose out_shardings place every shard where it
+    lives (nothing is gathered on one host). Models below FLAT_INIT_MAX_PARAMS fit one device by
+    construction; they are built eagerly and then placed, because XLA:CPU's SPMD partitioning of
+    the init graph alone took ~100 s for the tiny config on 8 devices.
+    """
     seed = cfg.train.seed if seed is None else seed
     gdef, abs_state = abstract(cfg)
     shardings = state_shardings(abs_state, mesh)
+    if count_params(abs_state) <= FLAT_INIT_MAX_PARAMS:
+        return nnx.merge(gdef, jax.device_put(nnx.state(build(cfg, seed)), shardings))
 
-    @jax.jit
     def init():
         return nnx.state(build(cfg, seed))
 

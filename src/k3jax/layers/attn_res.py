@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.layers.common import ones, param
+from k3jax.layers.common import ones, param, zeros
 
 
 def attn_res_mix(blocks, n_blocks, partial, w, gamma, eps: float):
@@ -37,8 +37,7 @@ class AttnResSites(nnx.Module):
     Pseudo-queries start at zero (uniform mixing, as the paper initialises them)."""
 
     def __init__(self, dim: int, rngs: nnx.Rngs, stack: tuple[int, ...] = (), dtype=jnp.float32):
-        z = lambda k, s, t: jnp.zeros(s, t)  # noqa: E731
-        self.attn_res_proj = param(rngs, stack, (dim,), ("norm",), init=z, dtype=dtype)
+        self.attn_res_proj = param(rngs, stack, (dim,), ("norm",), init=zeros, dtype=dtype)
         self.attn_res_norm = param(rngs, stack, (dim,), ("norm",), init=ones, dtype=dtype)
-        self.mlp_res_proj = param(rngs, stack, (dim,), ("norm",), init=z, dtype=dtype)
+        self.mlp_res_proj = param(rngs, stack, (dim,), ("norm",), init=zeros, dtype=dtype)
         self.mlp_res_norm = param(rngs, stack, (dim,), ("norm",), init=ones, dtype=dtype)

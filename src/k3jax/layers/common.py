@@ -10,6 +10,7 @@ f ffn width, l routed (latent) width.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -21,33 +22,89 @@ class RouterBias(nnx.Variable):
     """e_score_correction_bias: updated by the balancing rule, never by the optimizer."""
 
 
+class KeySampler:
+    """Random draws with one key per parameter (split from nnx.Rngs): shardable at any size."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = rngs
+
+    def normal(self, shape):
+        return jax.random.normal(self.rngs.params(), shape, jnp.float32)
+
+    def uniform(self, shape, lo, hi):
+        return jax.random.uniform(self.rngs.params(), shape, jnp.float32, lo, hi)
+
+
+class CountingSampler:
+    """Counts the draws a model's init makes (run under eval_shape), for ``FlatSampler``."""
+
+    def __init__(self):
+        self.n_normal = self.n_uniform = 0
+
+    def normal(self, shape):
+        self.n_normal += math.prod(shape)
+        return jnp.zeros(shape, jnp.float32)
+
+    def uniform(self, shape, lo, hi):
+        self.n_uniform += math.prod(shape)
+        return jnp.full(shape, lo, jnp.float32)
+
+
+class FlatSampler:
+    """All draws sliced from two flat buffers (one normal, one uniform RNG op).
+
+    XLA:CPU compiles each RNG op slowly (hundreds of per-parameter threefry expansions took
+    minutes), so small models draw everything at once; pod-scale models use KeySampler.
+    """
+
+    def __init__(self, key, n_normal: int, n_uniform: int):
+        kn, ku = jax.random.split(key)
+        self.nbuf = jax.random.normal(kn, (n_normal,), jnp.float32)
+        self.ubuf = jax.random.uniform(ku, (n_uniform,), jnp.float32)
+        self.i = self.j = 0
+
+    def normal(self, shape):
+        n = math.prod(shape)
+        out = self.nbuf[self.i:self.i + n].reshape(shape)
+        self.i += n
+        return out
+
+    def uniform(self, shape, lo, hi):
+        n = math.prod(shape)
+        out = lo + (hi - lo) * self.ubuf[self.j:self.j + n].reshape(shape)
+        self.j += n
+        return out
+
+
 def _normal(std: float):
-    return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return lambda sampler, shape, dtype: (std * sampler.normal(shape)).astype(dtype)
 
 
-def ones(key, shape, dtype):
-    del key
+def ones(sampler, shape, dtype):
+    del sampler
     return jnp.ones(shape, dtype)
 
 
-def zeros(key, shape, dtype):
-    del key
+def zeros(sampler, shape, dtype):
+    del sampler
     return jnp.zeros(shape, dtype)
 
 
-def param(rngs: nnx.Rngs, stack: tuple[int, ...], shape: Sequence[int], axes: Sequence[str | None],
+def param(rngs, stack: tuple[int, ...], shape: Sequence[int], axes: Sequence[str | None],
           *, init: Callable | None = None, std: float = 0.02, dtype=jnp.float32,
           matrix: tuple[int, int] | None = None, kind=nnx.Param) -> nnx.Variable:
     """Create a (possibly layer-stacked) variable with its sharding and optimizer metadata.
 
     ``matrix`` = (fan-in axis, fan-out axis) of the unstacked shape, or None for vectors and
-    embeddings (which the optimizer sends to AdamW).
+    embeddings (which the optimizer sends to AdamW). ``rngs`` is an nnx.Rngs or a sampler
+    (``KeySampler``, ``FlatSampler``, ``CountingSampler``); ``init(sampler, shape, dtype)``.
     """
     n = len(stack)
     full_shape = tuple(stack) + tuple(shape)
     full_axes = ("layers",) * n + tuple(axes)
     init = init or _normal(std)
-    value = init(rngs.params(), full_shape, dtype)
+    sampler = KeySampler(rngs) if isinstance(rngs, nnx.Rngs) else rngs
+    value = init(sampler, full_shape, dtype)
     mat = None if matrix is None else (matrix[0] + n, matrix[1] + n)
     return kind(value, axes=full_axes, matrix=mat)
 

@@ -11,19 +11,19 @@ from flax import nnx
 
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
-from k3jax.layers.common import l2_normalize, param, rms_norm, zeros
+from k3jax.layers.common import l2_normalize, ones, param, rms_norm, zeros
 from k3jax.sharding import constrain
 
 
-def _a_log_init(key, shape, dtype):
+def _a_log_init(sampler, shape, dtype):
     # Pre-training init: A = U(1, 16), stored as log (NeMo; k3-architecture.md §4).
-    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+    return jnp.log(sampler.uniform(shape, 1.0, 16.0)).astype(dtype)
 
 
 def _conv_init(width: int):
     # PyTorch's default depthwise Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width.
     bound = width ** -0.5
-    return lambda key, shape, dtype: jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+    return lambda sampler, shape, dtype: sampler.uniform(shape, -bound, bound).astype(dtype)
 
 
 class KDA(nnx.Module):
@@ -53,7 +53,7 @@ class KDA(nnx.Module):
             r = cfg.kda_output_gate_rank
             self.g_a_proj = param(rngs, stack, (d, r), ("embed", "rank"), **mat)
             self.g_b_proj = param(rngs, stack, (r, p), ("rank", "heads"), **mat)
-        self.o_norm = param(rngs, stack, (dk,), ("norm",), init=lambda k, s, t: jnp.ones(s, t),
+        self.o_norm = param(rngs, stack, (dk,), ("norm",), init=ones,
                             dtype=jnp.float32)
         self.o_proj = param(rngs, stack, (p, d), ("heads", "embed"), **mat)
 
