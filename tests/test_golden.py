@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 
 from conversion.hf_to_k3jax import load_into_model, model_overrides_from_hf
 from conversion.safetensors_io import CheckpointReader, read_config
@@ -17,6 +18,8 @@ ASSETS = Path(__file__).parent / "assets"
 ASSET = ASSETS / "kimi_linear_tiny"
 
 
+forward = nnx.jit(lambda m, t: m(t)[0])
+step = nnx.jit(lambda m, tok, cache, pos, start: m.decode_step(tok, cache, pos, start))
 def rel_rms(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
@@ -44,14 +47,15 @@ def test_deepseek_v3_yarn_logits_and_decode(tmp_path):
     assert m.mla_use_rope and m.rope_scaling_factor == 4 and (m.n_group, m.topk_group) == (4, 2)
     assert model.layout.num_periods == 3
     ids = np.asarray(g["input_ids"], np.int32)
-    logits, _ = model(jnp.asarray(ids))
+    logits = forward(model, jnp.asarray(ids))
     assert rel_rms(logits, g["logits"]) <= 1e-4
     n, steps = int(g["decode_prompt_len"]), g["decode_logits"].shape[1]
     toks, seg, start = left_pad([list(r[:n]) for r in ids])
-    lg, cache = prefill(model, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start), n + steps)
+    lg, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
+                                                   jnp.asarray(start), n + steps)
     got = []
     for i in range(steps):
-        lg, cache = model.decode_step(jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
+        lg, cache = step(model, jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
         got.append(lg)
     assert rel_rms(jnp.stack(got, 1), g["decode_logits"]) <= 1e-4
 
@@ -66,7 +70,7 @@ def test_derived_config_matches_asset(loaded):
 
 def test_logits_match_transformers(loaded):
     _, model, g = loaded
-    logits, _ = model(jnp.asarray(g["input_ids"], jnp.int32))
+    logits = forward(model, jnp.asarray(g["input_ids"], jnp.int32))
     assert rel_rms(logits, g["logits"]) <= 1e-4
 
 
@@ -90,9 +94,10 @@ def test_cached_decode_matches_transformers(loaded):
     ids = np.asarray(g["input_ids"], np.int32)
     steps = g["decode_logits"].shape[1]
     toks, seg, start = left_pad([list(r[:n]) for r in ids])
-    logits, cache = prefill(model, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start), n + steps)
+    logits, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
+                                                       jnp.asarray(start), n + steps)
     got = []
     for i in range(steps):
-        logits, cache = model.decode_step(jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
+        logits, cache = step(model, jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
         got.append(logits)
     assert rel_rms(jnp.stack(got, 1), g["decode_logits"]) <= 1e-4

@@ -245,6 +245,7 @@ class SyntheticSource(RandomAccessDataSource):
       token is determined by the previous one and d (a bigram-level pattern);
     - repeated motif: a random motif of 2..8 tokens repeated: the first period is noise, the
       rest is copyable (an induction pattern).
+    Starts and motif tokens follow a 1/rank (log-uniform) frequency, like words in text.
     A tiny model's loss falls well below log(vocab_size) within tens of steps.
 
     Item i: int32 [L] with `min_len <= L <= max_len`.
@@ -261,15 +262,21 @@ class SyntheticSource(RandomAccessDataSource):
     def __len__(self) -> int:
         return self.num_docs
 
+    def _zipf(self, rng, n: int) -> np.ndarray:
+        """Token ids with a Zipf-like (1/rank) frequency, as in natural text: even a model that has
+        seen a few thousand tokens of a 32k vocabulary can learn the unigram skew."""
+        u = rng.random(n)
+        return np.minimum((self.vocab_size ** u).astype(np.int64) - 1, self.vocab_size - 1)
+
     def __getitem__(self, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, int(index)])
         length = int(rng.integers(self.min_len, self.max_len + 1))
         j = np.arange(length, dtype=np.int64)
         if rng.random() < 0.5:
-            a, d = int(rng.integers(self.vocab_size)), int(rng.integers(1, 4))
+            a, d = int(self._zipf(rng, 1)[0]), int(rng.integers(1, 4))
             doc = (a + j * d) % self.vocab_size
         else:
-            motif = rng.integers(0, self.vocab_size, size=int(rng.integers(2, 9)))
+            motif = self._zipf(rng, int(rng.integers(2, 9)))
             doc = motif[j % len(motif)]
         return doc.astype(np.int32)
 
