@@ -25,6 +25,7 @@ setup(
         "pyarrow>=18",         # Parquet data source
         "tensorboardX>=2.6",   # TensorBoard scalars
         "psutil>=5.9",
+        "tensorstore>=0.1.60",  # streaming converter writes orbax leaves slice by slice
     ],
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.

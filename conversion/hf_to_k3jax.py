@@ -1,22 +1,30 @@
-"""Hugging Face safetensors -> k3jax parameters.
+"""Hugging Face safetensors -> k3jax parameters, streamed.
 
     python -m conversion.hf_to_k3jax --hf_dir D --out CKPT [--model_name kimi-k3] [--dtype bfloat16]
+                                     [--experts_format dense|mxfp4]
 
 Reads ``config.json`` (validated against ``--model_name`` when given, else turned into
-``<out>/model.yml``), then every tensor lazily through ``CheckpointReader`` (dequantising MXFP4,
-int4 and FP8 weights), maps names with ``param_map`` into the scanned layout and writes the orbax
-``params`` item to ``<out>/params``, which ``load_parameters_path=<out>`` accepts. No Python file of
-the model directory is ever imported or executed.
+``<out>/model.yml``), checks every tensor name, format and dtype from the headers alone, then reads
+tensors one at a time through ``CheckpointReader`` (dequantising MXFP4, int4 and FP8 weights), maps
+them with ``param_map`` into the scanned layout and writes each one straight into its slice of the
+orbax items ``<out>/params`` (``nnx.Param``) and ``<out>/extra`` (router biases); see
+``orbax_stream``. ``load_parameters_path=<out>`` accepts the result. No Python file of the model
+directory is ever imported or executed.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-from conversion import param_map
+from conversion import param_map, quant
 from conversion.errors import ConversionError
 
 
@@ -30,7 +38,7 @@ def model_overrides_from_hf(hf: dict) -> dict:
         mla = list(range(n))
     elif c.get("layer_types"):
         mla = [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
-    elif lin.get("full_attn_layers"):
+    elif "full_attn_layers" in lin:
         mla = [i - 1 for i in lin["full_attn_layers"]]
     else:
         raise ConversionError("config.json has neither layer_types nor linear_attn_config.full_attn_layers")
@@ -49,6 +57,9 @@ def model_overrides_from_hf(hf: dict) -> dict:
          "kda_num_heads": get("linear_num_heads", default=lin.get("num_heads")),
          "kda_head_dim": get("linear_head_dim", default=lin.get("head_dim")),
          "kda_conv_size": get("linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", 4)),
+         # Kimi Linear and K3 size both low-rank gates (f_a/f_b, g_a/g_b) by the KDA head dim.
+         "kda_gate_rank": get("linear_head_dim", default=lin.get("head_dim")),
+         "kda_output_gate_rank": get("linear_head_dim", default=lin.get("head_dim")),
          "num_attention_heads": c["num_attention_heads"], "q_lora_rank": c.get("q_lora_rank"),
          "kv_lora_rank": c["kv_lora_rank"], "qk_nope_head_dim": c["qk_nope_head_dim"],
          "qk_rope_head_dim": c["qk_rope_head_dim"], "v_head_dim": c["v_head_dim"],
@@ -65,6 +76,8 @@ def model_overrides_from_hf(hf: dict) -> dict:
          "ffn_activation": "situ" if c.get("hidden_act") == "situ" else "swiglu",
          "attn_res": bool(c.get("attn_res_block_size")),
          "attn_res_block_size": c.get("attn_res_block_size") or 12}
+    o["max_position_embeddings"] = get("max_position_embeddings", "model_max_length", default=4096)
+    o.update({k: c[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if isinstance(c.get(k), int)})
     o = {k: v for k, v in o.items() if v is not None or k in ("q_lora_rank", "moe_latent_size")}
     if deepseek:
         rp = c.get("rope_parameters") or dict(c.get("rope_scaling") or {}, rope_theta=c.get("rope_theta", 10000.0))
@@ -149,59 +162,364 @@ def load_into_model(model, mcfg, get, names, dtype=None):
     return model
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf_dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model_name", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    a = ap.parse_args(argv)
-    try:
-        convert(a.hf_dir, a.out, a.model_name, a.dtype)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+# ---- streaming orbax writer -----------------------------------------------------------------------
+
+_CHUNK_BYTES = 64 * 2**20  # zarr chunks <= 64 MiB: small restore reads, and one chunk = one write
 
 
-def convert(hf_dir, out, model_name=None, dtype="bfloat16"):
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
+def _key_path(keys) -> tuple:
+    """jax key path of a Variable's value -> our state path (("periods", "layers", 0, "mlp", ...))."""
+    out = []
+    for k in keys:
+        out.append(k.key if hasattr(k, "key") else k.idx if hasattr(k, "idx") else k.name)
+    return tuple(out[:-1]) if out and out[-1] == "value" else tuple(out)
+
+
+def _chunk_shape(shape: tuple, itemsize: int, index_dims: int) -> list[int]:
+    """Zarr chunk: 1 along the ``index_dims`` leading axes written one slice at a time (layers,
+    experts), the rest whole unless above _CHUNK_BYTES, then halved along the first axis that can."""
+    chunk = [1] * index_dims + list(shape[index_dims:])
+    while math.prod(chunk) * itemsize > _CHUNK_BYTES:
+        ax = next((i for i in range(index_dims, len(chunk)) if chunk[i] > 1), None)
+        if ax is None:
+            break
+        chunk[ax] = -(-chunk[ax] // 2)
+    return [max(1, c) for c in chunk]
+
+
+class OrbaxStreamWriter:
+    """Write an orbax ``StandardCheckpointer`` item one slice at a time, never holding a whole leaf.
+
+    Orbax saves whole arrays, and a K3 scanned leaf (e.g. routed experts [22, 896, 3584, 3072])
+    does not fit in host RAM. So orbax itself first saves the tree with tiny placeholder arrays
+    (``use_ocdbt=False``: one zarr directory per leaf), which produces the tree metadata, sharding
+    and commit files exactly as its restore expects; then each leaf's zarr array is re-created by
+    tensorstore with the real shape and dtype, orbax's own compressor, and chunks of one slice along
+    the ``index_dims`` leading axes, so every ``write`` fills whole chunks (no read-modify-write).
+    ``close`` checks that every slice was written and records the chunk shape as orbax's
+    ``write_shape``. The result is restorable by ``ocp.StandardCheckpointer().restore``.
+
+    Args:
+      directory: the item directory to create (e.g. ``<out>/params.partial``).
+      tree: pytree (e.g. an ``nnx.State``) of ``jax.ShapeDtypeStruct``-like leaves.
+      index_dims: {state path: number of leading axes written slice by slice}.
+    """
+
+    def __init__(self, directory, tree, index_dims: dict):
+        import jax
+        import jax.numpy as jnp
+        import orbax.checkpoint as ocp
+        import tensorstore as ts
+        self.dir = Path(directory)
+        tiny = jax.tree.map(lambda a: jnp.zeros((1,) * len(a.shape), a.dtype), tree)
+        ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=False)).save(
+            self.dir, args=ocp.args.StandardSave(tiny))
+        names = jax.tree.leaves(ocp.tree.get_param_names(tree))
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        self.arrays, self.pending, self.chunks, self.index_dims = {}, {}, {}, {}
+        for name, (keys, a) in zip(names, leaves):
+            path = _key_path(keys)
+            leaf_dir = self.dir / name
+            zarray = json.loads((leaf_dir / ".zarray").read_text())
+            shutil.rmtree(leaf_dir)
+            nd = index_dims.get(path, 0)
+            chunks = _chunk_shape(tuple(a.shape), np.dtype(a.dtype).itemsize, nd)
+            meta = dict(zarray, shape=list(a.shape), chunks=chunks)
+            self.arrays[path] = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(leaf_dir)},
+                                         "metadata": meta}, create=True).result()
+            self.pending[path] = math.prod(a.shape[:nd])
+            self.index_dims[path] = nd
+            self.chunks[name] = chunks
+        self.dtypes = {p: np.dtype(arr.dtype.numpy_dtype) for p, arr in self.arrays.items()}
+
+    def write(self, path: tuple, index: tuple, value: np.ndarray, source=()) -> None:
+        """Write ``value`` into leaf ``path`` at ``[*index]`` (a full slice of the leading axes);
+        ``source`` names the HF tensors it came from, for error messages."""
+        arr = self.arrays[path]
+        if len(index) != self.index_dims[path]:  # a programming error in the plan, not user input
+            raise ConversionError(f"{'.'.join(map(str, path))}: written with index {index}, expected "
+                                  f"{self.index_dims[path]} leading indices")
+        want = tuple(arr.shape[len(index):])
+        if tuple(value.shape) != want:
+            raise ConversionError(f"parameter {'.'.join(map(str, path))}{list(index) if index else ''}: "
+                                  f"converted shape {tuple(value.shape)} != model shape {want}"
+                                  + (f" (from Hugging Face tensor {list(source)})" if source else ""))
+        target = arr[tuple(index)] if index else arr
+        target.write(np.ascontiguousarray(value, dtype=self.dtypes[path])).result()
+        self.pending[path] -= 1
+
+    def close(self) -> None:
+        left = sorted(".".join(map(str, p)) for p, n in self.pending.items() if n > 0)
+        if left:
+            raise ConversionError(f"{self.dir}: {len(left)} parameters were not (fully) written: {left[:8]}")
+        for meta_file in (self.dir / "_METADATA", *sorted((self.dir / "array_metadatas").glob("*"))):
+            text = meta_file.read_text()
+            data = json.loads(text)
+            for entry in data.get("array_metadatas", []):
+                am = entry["array_metadata"]
+                am["write_shape"] = am["chunk_shape"] = self.chunks[am["param_name"]]
+            for key, entry in data.get("tree_metadata", {}).items():
+                vm = entry["value_metadata"]
+                name = ".".join(str(k["key"]) for k in entry["key_metadata"])
+                if "write_shape" in vm and name in self.chunks:
+                    vm["write_shape"] = self.chunks[name]
+            meta_file.write_text(json.dumps(data))
+
+
+# ---- the streaming conversion ---------------------------------------------------------------------
+
+_IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+def conversion_steps(model, mcfg, layout: str):
+    """Conversion plan, in checkpoint order: (layer or None, state path, index, hf names, to_ours)."""
+    for our, hf, to_ours, _ in param_map.global_rules(mcfg, layout):
+        yield None, tuple(our.split(".")), (), hf, to_ours
+    for l in range(mcfg.num_layers):
+        loc, idx = layer_location(model, l)
+        for our, hf, to_ours, _ in param_map.layer_rules(mcfg, l, layout):
+            yield l, loc + tuple(our.split(".")), (() if idx is None else (idx,)), hf, to_ours
+
+
+def _listing(names, n: int = 12) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def validate_names(reader, steps) -> list[str]:
+    """Check tensor names, formats and dtypes from the headers before any data is read.
+
+    Raises ConversionError listing missing tensors (needed by the model, absent from the checkpoint),
+    unexpected ones (present, used by no rule; vision / projector tensors of multimodal checkpoints
+    are skipped), unsupported quantization layouts, and non-float dense weights. Returns the names
+    of the skipped tensors.
+    """
+    have = set(reader.logical_keys())
+    need = {n for *_, hf, _ in steps for n in hf}
+    missing = need - have
+    if missing:
+        raise ConversionError(f"{reader.hf_dir}: {len(missing)} tensors the model needs are missing: "
+                              f"{_listing(missing)}")
+    skipped = sorted(n for n in have - need if n.startswith(_IGNORED_PREFIXES))
+    unexpected = have - need - set(skipped)
+    if unexpected:
+        raise ConversionError(f"{reader.hf_dir}: {len(unexpected)} unexpected tensors that no rule of this "
+                              f"model config maps (wrong config or layout?): {_listing(unexpected)}")
+    for n in sorted(need):
+        if reader.format_of(n) == "bf16":  # raises for unsupported quantization layouts
+            dt = reader.dtype(n)
+            if not (dt.kind == "f" or dt.name == "bfloat16"):
+                raise ConversionError(f"tensor {n!r} has dtype {reader.info(n).dtype}; expected a "
+                                      "floating-point tensor (BF16/F16/F32) or a supported quantized layout")
+    return skipped
+
+
+def _stored_bytes(reader, name: str) -> int:
+    if name in reader:
+        return reader.info(name).nbytes
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return sum(reader.info(f"{base}.{s}").nbytes for s in quant.COMPANION_SUFFIXES if f"{base}.{s}" in reader)
+
+
+class Progress:
+    """One-line progress on stderr: tensors and bytes done, rate, ETA (no dependency)."""
+
+    def __init__(self, total_tensors: int, total_bytes: int, enabled: bool = True):
+        self.n, self.total_n, self.b, self.total_b = 0, total_tensors, 0, max(1, total_bytes)
+        self.t0, self.last, self.enabled = time.perf_counter(), 0.0, enabled
+
+    def update(self, nbytes: int) -> None:
+        self.n += 1
+        self.b += nbytes
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > 0.5 or self.n == self.total_n):
+            self.last = now
+            rate = self.b / max(now - self.t0, 1e-9)
+            eta = (self.total_b - self.b) / max(rate, 1e-9)
+            frac = self.b / self.total_b
+            bar = "#" * int(30 * frac)
+            print(f"\r[{bar:<30}] {self.n}/{self.total_n} tensors {self.b / 2**20:,.1f}/{self.total_b / 2**20:,.1f} MiB "
+                  f"{rate / 2**20:,.1f} MiB/s ETA {eta:,.0f}s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str):
+    """The run config: ``model_name``'s, refused when config.json disagrees; else derived from
+    config.json and written to ``<out>/model.yml``."""
     import yaml
+
+    from k3jax import config as C
+    derived = model_overrides_from_hf(hf)
+    if not model_name:
+        (out / "model.yml").write_text(yaml.safe_dump(derived, sort_keys=False))
+        return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
+    bad = {k: (v, getattr(cfg.model, k)) for k, v in derived.items()
+           if k not in ("mla_every", "mla_extra_layers") and getattr(cfg.model, k) != v}
+    p, n = derived["mla_every"], derived["num_layers"]
+    mla = sorted({l for l in range(n) if p and l % p == p - 1} | set(derived["mla_extra_layers"]))
+    if mla != sorted(cfg.model.mla_layer_set):
+        bad["MLA layers"] = (mla, sorted(cfg.model.mla_layer_set))
+    if bad:
+        lines = "; ".join(f"{k}: checkpoint {hv!r} vs config {ov!r}" for k, (hv, ov) in list(bad.items())[:8])
+        raise ConversionError(f"config.json disagrees with model_name={model_name} in {len(bad)} keys: {lines}; "
+                              f"omit --model_name to derive the config from config.json")
+    return cfg
+
+
+def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dense", progress=True) -> dict:
+    """Stream a Hugging Face checkpoint into ``<out>/{params,extra}`` (+ ``model.yml``); see module doc.
+
+    ``experts_format="mxfp4"`` keeps MXFP4 routed experts packed: they go to ``<out>/experts_mxfp4``
+    (per expert matrix ``{codes: uint8 [..., E, out, in/2], scales: uint8 [..., E, out, in/32]}`` in
+    the checkpoint's [out, in] orientation) instead of ``params``, which then lacks them.
+    Peak host memory: the largest few source tensors (as float32), independent of model size.
+    Returns a summary dict (tensors, bytes, seconds, skipped tensor names).
+    """
     from flax import nnx
 
     from conversion.safetensors_io import CheckpointReader, read_config
-    from k3jax import config as C
     from k3jax import model as M
     from k3jax.layers.common import RouterBias
+    if experts_format not in ("dense", "mxfp4"):
+        raise ConversionError(f"experts_format={experts_format!r}: choose dense or mxfp4")
+    t0 = time.perf_counter()
     hf = read_config(hf_dir)
-    derived = model_overrides_from_hf(hf)
+    reader = CheckpointReader(hf_dir)  # validates headers, index and quantization_config
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    if model_name:
-        cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
-        bad = {k: (v, getattr(cfg.model, k)) for k, v in derived.items()
-               if k not in ("mla_every", "mla_extra_layers") and getattr(cfg.model, k) != v}
-        if set(cfg.model.mla_layer_set) != set(derived["mla_extra_layers"]):
-            bad["MLA layers"] = (derived["mla_extra_layers"], sorted(cfg.model.mla_layer_set))
-        if bad:
-            k, (hv, ov) = next(iter(bad.items()))
-            raise ConversionError(f"config.json disagrees with model_name={model_name}: {k} is {hv} in the "
-                                  f"checkpoint but {ov} in the config ({len(bad)} mismatches); omit --model_name "
-                                  f"to derive the config from config.json")
-    else:
-        (out / "model.yml").write_text(yaml.safe_dump(derived, sort_keys=False))
-        cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
-    reader = CheckpointReader(hf_dir)
+    cfg = resolve_config(hf, out, model_name, dtype)
+    mcfg = cfg.model
     model = nnx.eval_shape(lambda: M.build(cfg, 0))
-    model = M.build(cfg, 0)
-    load_into_model(model, cfg.model, reader.get_dequantized, reader.keys(), dtype=jnp.dtype(dtype))
-    _, params, rest = nnx.split(model, nnx.Param, RouterBias)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(out / "params", params, force=True)
-    ckptr.save(out / "extra", rest, force=True)
-    ckptr.wait_until_finished()
-    print(f"wrote {out / 'params'} ({M.count_params(params):,} parameters)")
+    _, params, extra = nnx.split(model, nnx.Param, RouterBias)
+    layout = param_map.detect_layout(reader.keys())
+    steps = list(conversion_steps(model, mcfg, layout))
+    skipped = validate_names(reader, steps)
+    packed = {}
+    if experts_format == "mxfp4":
+        packed = {path: hf[0] for _, path, _, hf, fn in steps if hasattr(fn, "each")}
+        if not packed:
+            raise ConversionError(f"{hf_dir}: --experts_format mxfp4 needs per-expert routed expert tensors "
+                                  f"(remote layout); this checkpoint has layout {layout}")
+        for n in (n for _, path, _, hf_names, _ in steps if path in packed for n in hf_names):
+            if reader.format_of(n) != "mxfp4":
+                raise ConversionError(f"tensor {n!r} is stored as {reader.format_of(n)}, not mxfp4; "
+                                      "--experts_format mxfp4 keeps MXFP4 experts packed, it does not quantize")
+        flat = {tuple(p): v for p, v in nnx.to_flat_state(params)}
+        params = nnx.from_flat_state([(p, v) for p, v in flat.items() if p not in packed])
+    index_dims = {path: len(index) + hasattr(fn, "each") for _, path, index, _, fn in steps}
+    parts = {"params": params, "extra": extra}
+    if packed:
+        parts["experts_mxfp4"], packed_dims = _packed_tree(reader, packed, flat)
+        index_dims.update(packed_dims)
+    writers = {}
+    try:
+        for item, tree in parts.items():
+            shutil.rmtree(out / f"{item}.partial", ignore_errors=True)  # left by an interrupted run
+            writers[item] = OrbaxStreamWriter(out / f"{item}.partial", tree, index_dims)
+        owner = {p: w for w in writers.values() for p in w.arrays}
+        need = list(dict.fromkeys(n for *_, hf_names, _ in steps for n in hf_names))
+        bar = Progress(len(need), sum(_stored_bytes(reader, n) for n in need), progress)
+        _stream(reader, steps, owner, packed, bar)
+        bar.close()
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for item in parts:
+            shutil.rmtree(out / f"{item}.partial", ignore_errors=True)
+        raise
+    for item in ("params", "extra", "experts_mxfp4"):
+        shutil.rmtree(out / item, ignore_errors=True)
+        if item in parts:
+            os.replace(out / f"{item}.partial", out / item)
+    n = M.count_params(params)
+    secs = time.perf_counter() - t0
+    if progress:
+        print(f"wrote {out / 'params'} ({n:,} parameters, {len(need)} tensors, {bar.b / 2**20:,.1f} MiB read "
+              f"in {secs:.1f}s){'; skipped ' + str(len(skipped)) + ' non-text tensors' if skipped else ''}")
+    return {"tensors": len(need), "bytes": bar.b, "seconds": secs, "skipped": skipped, "parameters": n}
+
+
+def _stream(reader, steps, owner, packed, bar) -> None:
+    """Read, convert and write every step; a tensor used by several rules (fused native ``conv1d``,
+    ``gate_up_proj``) is read once and kept only until its last user in the same layer."""
+    uses: dict[str, int] = {}
+    for *_, hf, _ in steps:
+        for n in hf:
+            uses[n] = uses.get(n, 0) + 1
+    cache: dict[str, np.ndarray] = {}
+
+    def get(name):
+        if name in cache:
+            val = cache[name]
+        else:
+            val = reader.get_dequantized(name)
+            bar.update(_stored_bytes(reader, name))
+        uses[name] -= 1
+        if uses[name]:
+            cache[name] = val
+        else:
+            cache.pop(name, None)
+        return val
+
+    for _, path, index, hf, to_ours in steps:
+        if path in packed:  # stored bytes as they are: codes [out, in/2], E8M0 scales [out, in/32]
+            codes, scales = (_dotted(path), "codes"), (_dotted(path), "scales")
+            for e, name in enumerate(hf):
+                base = name[: -len(".weight")]
+                owner[codes].write(codes, (*index, e), reader.get(base + ".weight_packed"), (name,))
+                owner[scales].write(scales, (*index, e), reader.get(base + ".weight_scale").view(np.uint8), (name,))
+                bar.update(_stored_bytes(reader, name))
+        elif hasattr(to_ours, "each"):  # per-expert tensors, one expert at a time
+            for e, name in enumerate(hf):
+                owner[path].write(path, (*index, e), to_ours.each(get(name)), (name,))
+        else:
+            owner[path].write(path, index, to_ours(*[get(n) for n in hf]), hf)
+
+
+def _dotted(path) -> str:
+    return ".".join(map(str, path))
+
+
+def _packed_tree(reader, packed, flat):
+    """Abstract tree of packed experts {dotted path: {codes, scales}} (uint8, leading axes as the
+    dense leaf's [..., E]) and its {leaf path: index dims}."""
+    import jax
+    tree, dims = {}, {}
+    for path, first in packed.items():
+        lead, base = tuple(flat[path].shape[:-2]), first[: -len(".weight")]
+        tree[_dotted(path)] = {
+            "codes": jax.ShapeDtypeStruct(lead + reader.shape(base + ".weight_packed"), np.uint8),
+            "scales": jax.ShapeDtypeStruct(lead + reader.shape(base + ".weight_scale"), np.uint8)}
+        dims.update({(_dotted(path), leaf): len(lead) for leaf in ("codes", "scales")})
+    return tree, dims
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
+    ap.add_argument("--out", required=True, help="output directory: params/, extra/ (+ model.yml)")
+    ap.add_argument("--model_name", default=None, help="check config.json against this model config")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
+                    help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (not loadable by the model yet)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    try:
+        convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # config errors from k3jax.config are user errors too
+        from k3jax.config import ConfigError
+        if not isinstance(e, ConfigError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

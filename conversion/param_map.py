@@ -8,7 +8,10 @@ to_hf)``: ``our name`` is the parameter's dotted path inside a k3jax ``DecoderLa
 - ``remote``: the Kimi remote-code / released K3 layout (``{q,k,v}_conv1d``, ``block_sparse_moe``,
   per-expert ``w1/w2/w3``, K3's ``routed_expert_*`` and AttnRes ``*_res_{proj,norm}``, ``A_log`` [128]).
 
-PyTorch linears are [out, in]; ours are [in, out], hence the transposes.
+PyTorch linears are [out, in]; ours are [in, out], hence the transposes. Rules whose HF tensor is
+fused from several of ours (native ``conv1d``, ``experts.gate_up_proj``) have ``to_hf = None``; export
+groups them by HF name and calls ``fuse_to_hf``. Remote per-expert rules carry ``to_ours.each`` /
+``to_hf.each_hf`` (the map of one expert) so converters can stream expert by expert.
 """
 from __future__ import annotations
 
@@ -31,6 +34,34 @@ def _row(a):          # [1, D] <-> [D]
 
 def _unrow(a):
     return a.reshape(1, -1)
+
+
+def _stack_t(*xs):
+    """Per-expert [out, in] tensors -> stacked [E, in, out] (remote layout routed experts)."""
+    return np.stack([x.T for x in xs])
+
+
+def _unstack_t(x):
+    return [np.ascontiguousarray(x[i].T) for i in range(x.shape[0])]
+
+
+# Streaming converters must not build a whole layer's experts at once (K3: 896 x 22 MB per matrix),
+# so these rules say how ONE expert maps: ours[e] = each(hf[e]), hf[e] = each_hf(ours[e]).
+_stack_t.each = _t
+_unstack_t.each_hf = _t
+
+
+def fuse_to_hf(hf_name: str, parts: list) -> np.ndarray:
+    """Rebuild a fused native tensor from our parts, given in rule order (the rules with to_hf None).
+
+    ``...conv1d.weight``: q | k | v convs [P, W] each -> [3P, 1, W].
+    ``...experts.gate_up_proj``: w_gate, w_up [E, D, F] each -> [E, 2F, D] (gate rows first).
+    """
+    if hf_name.endswith("conv1d.weight"):
+        return np.concatenate(parts, axis=0)[:, None, :]
+    if hf_name.endswith("experts.gate_up_proj"):
+        return np.concatenate([p.transpose(0, 2, 1) for p in parts], axis=1)
+    raise ValueError(f"{hf_name}: no rule to fuse {len(parts)} parameters into this tensor")
 
 
 def global_rules(m, layout: str = "native"):
@@ -118,8 +149,7 @@ def ffn_rules(m, l, pre, remote):
     if remote:  # per-expert [out, in] tensors, stacked into [E, in, out]
         for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
             names = [b + f"experts.{i}.{w}.weight" for i in range(e)]
-            r.append((f"mlp.{ours}", names, lambda *xs: np.stack([x.T for x in xs]),
-                      lambda x: [np.ascontiguousarray(x[i].T) for i in range(x.shape[0])]))
+            r.append((f"mlp.{ours}", names, _stack_t, _unstack_t))
     else:
         gu = b + "experts.gate_up_proj"
         r += [("mlp.w_gate", [gu], lambda x: np.ascontiguousarray(x[:, :f, :].transpose(0, 2, 1)), None),

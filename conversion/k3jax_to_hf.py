@@ -1,0 +1,243 @@
+"""k3jax parameters -> Hugging Face safetensors, streamed.
+
+    python -m conversion.k3jax_to_hf --ckpt CKPT --out D [--model_name ...] [--dtype bfloat16]
+
+``CKPT`` is anything ``load_parameters_path`` accepts (a converter output, a run or step directory).
+The model config is ``--model_name`` or, for a converter output, its ``model.yml``. Output: sharded
+``model-000NN-of-000MM.safetensors`` + ``model.safetensors.index.json`` + ``config.json``:
+
+- Kimi Linear-shaped configs (plain residuals, SwiGLU, softplus KDA gate, full-width experts, no MLA
+  output gate) get the native transformers ``kimi_linear`` layout (fused ``conv1d``,
+  ``mlp.experts.gate_up_proj``) and config, which transformers loads without remote code.
+- K3-shaped configs get the released K3 remote-code layout: ``language_model.`` prefix,
+  ``{q,k,v}_conv1d``, ``block_sparse_moe`` with per-expert ``w1/w2/w3``, ``A_log`` zero-padded to
+  [128], and a ``kimi_k3`` config with the text model under ``text_config``. Routed experts are
+  written dense (no MXFP4 re-quantisation), so the output is about 4x the released size.
+
+Tensors are BF16 (``--dtype bfloat16``, default) except those K3 stores in F32 (short convs,
+``A_log``, ``dt_bias``, ``o_norm``, router bias), which keep F32; ``--dtype float32`` writes F32
+throughout. Leaves are read slice by slice straight from the orbax zarr arrays with tensorstore
+(one layer, or one expert, at a time), so host memory stays at one output shard plus one slice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from conversion import param_map
+from conversion.errors import ConversionError
+
+# Tensor-name endings that K3 checkpoints keep in float32 (k3-architecture.md section 8).
+F32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+
+
+def open_item(item_dir) -> dict[tuple, object]:
+    """Lazy tensorstore handles {state path: TensorStore} for every leaf of an orbax item.
+
+    Reads only ``_METADATA`` (tree keys, ``use_ocdbt``, ``use_zarr3``) and each array's zarr
+    metadata; ``handle[i].read().result()`` then reads one slice. Works for the converter's
+    per-leaf zarr directories and for OCDBT checkpoints written by training.
+    """
+    import tensorstore as ts
+    item_dir = Path(item_dir).absolute()
+    try:
+        meta = json.loads((item_dir / "_METADATA").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{item_dir}: not an orbax checkpoint item ({e})") from None
+    driver = "zarr3" if meta.get("use_zarr3") else "zarr"
+    out = {}
+    for entry in meta["tree_metadata"].values():
+        keys = [k["key"] for k in entry["key_metadata"]]
+        name = ".".join(map(str, keys))
+        kv = ({"driver": "ocdbt", "base": f"file://{item_dir}", "path": name} if meta.get("use_ocdbt", True)
+              else {"driver": "file", "path": str(item_dir / name)})
+        # Sequence indices (key_type 1) come back as ints, as in the model state; nnx.List indices
+        # are stored as dict keys "0", "1", ... so digit strings are indices too.
+        path = tuple(int(k["key"]) if k["key_type"] == 1 or str(k["key"]).isdigit() else k["key"]
+                     for k in entry["key_metadata"])
+        if path and path[-1] == "value":  # nnx.Variable payloads
+            path = path[:-1]
+        out[path] = ts.open({"driver": driver, "kvstore": kv}, open=True, read=True).result()
+    return out
+
+
+def is_kimi_linear_shaped(m) -> bool:
+    """True when transformers' native ``kimi_linear`` can express the model config ``m``."""
+    return (not m.attn_res and m.moe_latent_size is None and m.kda_gate == "softplus"
+            and m.ffn_activation == "swiglu" and not m.mla_use_output_gate and m.kda_output_gate == "low_rank"
+            and not m.mla_use_rope)
+
+
+def hf_config(m, layout: str, dtype: str) -> dict:
+    """config.json for model config ``m`` (inverse of ``hf_to_k3jax.model_overrides_from_hf``)."""
+    n = m.num_layers
+    mla = sorted(m.mla_layer_set)
+    common = {
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": n,
+        "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": m.tie_word_embeddings,
+        "initializer_range": m.initializer_range, "intermediate_size": m.intermediate_size,
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+        "first_k_dense_replace": m.first_k_dense, "num_experts": m.num_experts,
+        "num_experts_per_token": m.num_experts_per_token, "num_shared_experts": m.num_shared_experts,
+        "moe_intermediate_size": m.moe_intermediate_size, "moe_renormalize": m.moe_renormalize,
+        "routed_scaling_factor": m.routed_scaling_factor, "num_expert_group": m.n_group,
+        "topk_group": m.topk_group, "dtype": dtype,
+        # Explicit nulls: transformers' defaults (e.g. pad 163839) may lie outside a small vocabulary.
+        **{k: (v if (v := getattr(m, k)) >= 0 else None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
+    if layout == "native":
+        return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **common,
+                "hidden_act": "silu", "head_dim": m.qk_rope_head_dim, "qk_head_dim": m.qk_head_dim,
+                "layer_types": ["full_attention" if l in mla else "linear_attention" for l in range(n)],
+                "mlp_layer_types": [m.ffn(l) if m.ffn(l) == "dense" else "sparse" for l in range(n)],
+                "linear_num_heads": m.kda_num_heads, "linear_head_dim": m.kda_head_dim,
+                "linear_conv_kernel_dim": m.kda_conv_size, "model_max_length": m.max_position_embeddings}
+    text = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **common,
+            "hidden_act": "situ" if m.ffn_activation == "situ" else "silu",
+            "linear_attn_config": {"num_heads": m.kda_num_heads, "head_dim": m.kda_head_dim,
+                                   "short_conv_kernel_size": m.kda_conv_size,
+                                   "full_attn_layers": [l + 1 for l in mla],
+                                   "kda_layers": [l + 1 for l in range(n) if l not in mla]},
+            "use_full_rank_gate": m.kda_output_gate == "full", "mla_use_nope": not m.mla_use_rope,
+            "mla_use_output_gate": m.mla_use_output_gate, "moe_layer_freq": 1,
+            "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "use_grouped_topk": True,
+            "max_position_embeddings": m.max_position_embeddings}
+    if m.ffn_activation == "situ":
+        text.update(activation_situ_beta=m.situ_beta, activation_situ_linear_beta=m.situ_linear_beta)
+    if m.kda_gate == "bounded":
+        text["gate_lower_bound"] = m.kda_gate_lower_bound
+    if m.moe_latent_size:
+        text.update(routed_expert_hidden_size=m.moe_latent_size, latent_moe_use_norm=m.moe_latent_norm)
+    if m.attn_res:
+        text["attn_res_block_size"] = m.attn_res_block_size
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+
+
+def _plan(model, m, layout):
+    """[(hf name, [(state path, index, to_hf)...], each_hf or None)] in checkpoint order; fused HF
+    tensors (rules with to_hf None) collect every rule that feeds them, in rule order."""
+    from conversion.hf_to_k3jax import layer_location
+    groups: dict[str, list] = {}
+    order = []
+
+    def add(rules, loc, index):
+        for our, hf, _, to_hf in rules:
+            path = loc + tuple(our.split("."))
+            if to_hf is not None and hasattr(to_hf, "each_hf"):  # per-expert names
+                for e, name in enumerate(hf):
+                    order.append((name, [(path, (*index, e), to_hf.each_hf)]))
+                continue
+            (name,) = hf
+            if name not in groups:
+                groups[name] = []
+                order.append((name, groups[name]))
+            groups[name].append((path, index, to_hf))
+
+    add(param_map.global_rules(m, layout), (), ())
+    for l in range(m.num_layers):
+        loc, idx = layer_location(model, l)
+        add(param_map.layer_rules(m, l, layout), loc, () if idx is None else (idx,))
+    return order
+
+
+def load_config(ckpt, model_name: str | None):
+    from k3jax import config as C
+    from k3jax.checkpoint import resolve_params_dir
+    if model_name:
+        return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}"])
+    yml = resolve_params_dir(ckpt).parent / "model.yml"
+    if not yml.exists():
+        raise ConversionError(f"{ckpt}: no model.yml beside the params item; pass --model_name")
+    return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={yml}"])
+
+
+def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**30, progress=True) -> dict:
+    """Write ``ckpt`` as a Hugging Face checkpoint in ``out``; see the module docstring.
+
+    Raises ConversionError when the checkpoint lacks parameters the config needs (listing them; e.g.
+    a ``--experts_format mxfp4`` conversion, whose dense experts are absent), holds unexpected ones,
+    or a leaf's shape differs from the config's. Returns {"tensors", "bytes", "seconds", "layout"}.
+    """
+    from flax import nnx
+
+    from conversion.safetensors_io import CONFIG_NAME, ShardedWriter
+    from k3jax import model as M
+    from k3jax.checkpoint import resolve_params_dir
+    t0 = time.perf_counter()
+    cfg = load_config(ckpt, model_name)
+    m = cfg.model
+    if m.mla_use_rope:
+        raise ConversionError("export supports the Kimi Linear and K3 layouts; this config uses RoPE MLA "
+                              "(Kimi K2 / DeepSeek-V3), which has no export layout here")
+    layout = "native" if is_kimi_linear_shaped(m) else "remote_prefixed"
+    params_dir = resolve_params_dir(ckpt)
+    leaves = open_item(params_dir)
+    if (params_dir.parent / "extra").is_dir():
+        leaves.update(open_item(params_dir.parent / "extra"))
+    model = nnx.eval_shape(lambda: M.build(cfg, 0))
+    want = {tuple(p): tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(model))}
+    missing = sorted(".".join(map(str, p)) for p in want if p not in leaves)
+    extra = sorted(".".join(map(str, p)) for p in leaves if p not in want)
+    if missing:
+        raise ConversionError(f"{params_dir}: {len(missing)} parameters of the model config are missing "
+                              f"(a --experts_format mxfp4 conversion has no dense experts): {missing[:8]}")
+    if extra:
+        raise ConversionError(f"{params_dir}: {len(extra)} unexpected parameters for this model config "
+                              f"(wrong --model_name?): {extra[:8]}")
+    for p, shape in want.items():
+        if tuple(leaves[p].shape) != shape:
+            raise ConversionError(f"{params_dir}: {'.'.join(map(str, p))} has shape {tuple(leaves[p].shape)} "
+                                  f"but the model config needs {shape} (wrong --model_name?)")
+    out = Path(out)
+    plan = _plan(model, m, layout)
+    n_bytes = 0
+    with ShardedWriter(str(out), max_shard_bytes) as w:
+        for i, (name, sources) in enumerate(plan):
+            arrays = [np.asarray(leaves[p][index].read().result() if index else leaves[p].read().result())
+                      for p, index, _ in sources]
+            if len(sources) == 1 and sources[0][2] is not None:
+                t = sources[0][2](arrays[0])
+            else:
+                t = param_map.fuse_to_hf(name, arrays)
+            keep32 = dtype == "float32" or name.endswith(F32_SUFFIXES)
+            t = np.ascontiguousarray(t, dtype=np.float32 if keep32 else ml_dtypes.bfloat16)
+            w.add(name, t)
+            n_bytes += t.nbytes
+            if progress and (i % 200 == 0 or i == len(plan) - 1):
+                print(f"\r{i + 1}/{len(plan)} tensors, {n_bytes / 2**20:,.1f} MiB", end="", file=sys.stderr)
+    (out / CONFIG_NAME).write_text(json.dumps(hf_config(m, layout, dtype), indent=2))
+    secs = time.perf_counter() - t0
+    if progress:
+        print(f"\nwrote {out} ({len(plan)} tensors, {layout} layout, {n_bytes / 2**20:,.1f} MiB in {secs:.1f}s)",
+              file=sys.stderr)
+    return {"tensors": len(plan), "bytes": n_bytes, "seconds": secs, "layout": layout}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="converter output, run directory or checkpoint step")
+    ap.add_argument("--out", required=True, help="empty output directory")
+    ap.add_argument("--model_name", default=None, help="model config; default <ckpt>/model.yml")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    from k3jax.checkpoint import CheckpointError
+    from k3jax.config import ConfigError
+    try:
+        export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet)
+    except (ConversionError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
