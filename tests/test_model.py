@@ -27,15 +27,13 @@ def cfg_of(*args):
 
 
 def randomize(model, seed=0, scale=0.3):
-    """Make every weight (AttnRes queries, router biases included) random and O(1)-sensitive."""
-    state = nnx.state(model)
-    leaves, tdef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = []
-    for k, x in zip(keys, leaves):
-        noise = jax.random.normal(k, x.shape, jnp.float32)
-        new.append((x + scale * noise).astype(x.dtype) if x.ndim < 2 else (scale * noise).astype(x.dtype))
-    nnx.update(model, jax.tree.unflatten(tdef, new))
+    """Make every weight (AttnRes queries, router biases included) random and O(1)-sensitive
+    (numpy draws: hundreds of eager jax.random calls would each compile)."""
+    rng = np.random.default_rng(seed)
+    leaves, tdef = jax.tree.flatten(nnx.state(model))
+    new = [(np.asarray(x, np.float32) + scale * rng.standard_normal(x.shape) if x.ndim < 2
+            else scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in leaves]
+    nnx.update(model, jax.tree.unflatten(tdef, [jnp.asarray(x) for x in new]))
     return model
 
 
@@ -47,6 +45,11 @@ def tiny(request):
     return request.param, cfg, model
 
 
+# Jitted entry points: one compile per shape instead of thousands of eager op dispatches.
+forward = nnx.jit(lambda m, t, s=None: m(t, s)[0])
+step = nnx.jit(lambda m, tok, cache, pos, start: m.decode_step(tok, cache, pos, start))
+
+
 def rel(a, b):
     return float(np.sqrt(np.mean((np.asarray(a, np.float64) - b) ** 2)) / np.sqrt(np.mean(np.asarray(b) ** 2)))
 
@@ -54,7 +57,7 @@ def rel(a, b):
 def test_matches_float64_reference(tiny):
     name, cfg, model = tiny
     tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, 24)
-    logits, _ = model(jnp.asarray(tokens)[None])
+    logits = forward(model, jnp.asarray(tokens)[None])
     want = ref.forward(cfg.model, model, tokens)
     assert rel(logits[0], want) <= 1e-5, name
 
@@ -64,9 +67,10 @@ def test_packed_documents_equal_separate_runs(tiny):
     rng = np.random.default_rng(2)
     a, b = rng.integers(0, cfg.model.vocab_size, 11), rng.integers(0, cfg.model.vocab_size, 13)
     seg = np.array([1] * 11 + [2] * 13)
-    packed, _ = model(jnp.asarray(np.concatenate([a, b]))[None], jnp.asarray(seg)[None])
-    alone_a, _ = model(jnp.asarray(a)[None])
-    alone_b, _ = model(jnp.asarray(b)[None])
+    packed = forward(model, jnp.asarray(np.concatenate([a, b]))[None], jnp.asarray(seg)[None])
+    both = forward(model, jnp.asarray(np.stack([np.concatenate([a, a[:2]]), b])),
+                   jnp.asarray([[1] * 11 + [0] * 2, [1] * 13]))  # each alone, one compile
+    alone_a, alone_b = both[:1, :11], both[1:]
     np.testing.assert_allclose(packed[0, :11], alone_a[0], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(packed[0, 11:], alone_b[0], rtol=2e-5, atol=2e-5)
 
@@ -77,12 +81,13 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     rng = np.random.default_rng(3)
     n, m = 9, 6
     seq = rng.integers(0, cfg.model.vocab_size, (2, n + m))
-    full, _ = model(jnp.asarray(seq))
+    full = forward(model, jnp.asarray(seq))
     toks, seg, start = left_pad([list(r[:n]) for r in seq])
-    logits, cache = prefill(model, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start), n + m)
+    logits, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
+                                                       jnp.asarray(start), n + m)
     got = [logits]
     for i in range(m - 1):
-        logits, cache = model.decode_step(jnp.asarray(seq[:, n + i]), cache, n + i, jnp.asarray(start))
+        logits, cache = step(model, jnp.asarray(seq[:, n + i]), cache, n + i, jnp.asarray(start))
         got.append(logits)
     got = jnp.stack(got, 1)
     np.testing.assert_allclose(got, full[:, n - 1:n + m - 1], rtol=1e-4, atol=1e-4)
@@ -93,10 +98,10 @@ def test_greedy_generate_equals_argmax_of_full_forwards(tiny):
     _, cfg, model = tiny
     prompt = list(np.random.default_rng(4).integers(0, cfg.model.vocab_size, 7))
     out, _ = generate(model, [prompt], max_new_tokens=5)
-    seq = list(prompt)
-    for _ in range(5):
-        logits, _ = model(jnp.asarray(seq)[None])
-        seq.append(int(jnp.argmax(logits[0, -1])))
+    seq = list(prompt) + [0] * 5
+    for i in range(5):  # fixed length: causal logits at position 6 + i ignore the zero padding
+        logits = forward(model, jnp.asarray(seq)[None])
+        seq[7 + i] = int(jnp.argmax(logits[0, 6 + i]))
     assert out[0].tolist() == seq[7:]
 
 
@@ -136,8 +141,9 @@ def test_scan_and_unrolled_agree():
     b = M.build(unrolled_cfg, 0)
     assert b.layout.num_periods == 0
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.model.vocab_size, (1, 10)))
-    ref_logits = ref.forward(cfg.model, a, np.asarray(tokens[0]))
-    np.testing.assert_allclose(a(tokens)[0][0], ref_logits, rtol=1e-4, atol=1e-5)
+    for m in (a, b):
+        np.testing.assert_allclose(forward(m, tokens)[0], ref.forward(cfg.model, m, np.asarray(tokens[0])),
+                                   rtol=1e-4, atol=1e-5)
     assert len(b.prefix) == 13
 
 

@@ -21,7 +21,6 @@ from flax import nnx
 from k3jax import config as C
 from k3jax import model as M
 from k3jax.checkpoint import CheckpointError, load_extra, load_params
-from k3jax.layers.common import RouterBias
 from k3jax.runtime import load_tokenizer
 from k3jax.sharding import make_mesh
 
@@ -125,17 +124,17 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
 
 
 def load_model(cfg, mesh):
-    """Sharded model with parameters from load_parameters_path (or random, with a loud warning)."""
-    model = M.create_sharded(cfg, mesh)
-    if cfg.checkpoint.load_parameters_path:
-        gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
-        abs_p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
-        params = load_params(cfg.checkpoint.load_parameters_path, abs_p)
-        rest = load_extra(cfg.checkpoint.load_parameters_path, rest)
-        model = nnx.merge(gdef, params, rest)
-    else:
+    """Sharded model with parameters restored from load_parameters_path straight into their
+    shardings (no random init first), or random weights with a loud warning."""
+    if not cfg.checkpoint.load_parameters_path:
         print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
-    return model
+        return M.create_sharded(cfg, mesh)
+    gdef, abs_params, abs_rest = M.abstract_split(cfg, mesh)
+    params = load_params(cfg.checkpoint.load_parameters_path, abs_params)
+    zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abs_rest),
+                    out_shardings=jax.tree.map(lambda a: a.sharding, abs_rest))()
+    rest = load_extra(cfg.checkpoint.load_parameters_path, zeros)
+    return nnx.merge(gdef, params, rest)
 
 
 def main(argv: list[str] | None = None) -> int:

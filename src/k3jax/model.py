@@ -352,3 +352,14 @@ def create_sharded(cfg, mesh, seed: int | None = None) -> K3Model:
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return nnx.merge(gdef, state)
+
+
+def abstract_split(cfg, mesh):
+    """(graphdef, abstract params, abstract router biases) with shardings attached: the restore
+    targets for loading weights without materialising a random init first."""
+    from k3jax.layers.common import RouterBias
+    model = nnx.eval_shape(lambda: _construct(cfg, nnx.Rngs(0)))
+    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
+    shard = lambda st: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),  # noqa: E731
+                                    st, state_shardings(st, mesh))
+    return gdef, shard(params), shard(rest)
