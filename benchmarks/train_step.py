@@ -1,0 +1,138 @@
+"""One real jitted train step per config on one CPU device: tokens/s, model TFLOP/s, vs matmul peak.
+
+For each config: the model is built from configs/base.yml + configs/models/<name>.yml + the
+overrides below, with `k3jax.train.setup_state` and `make_train_step` (the same Muon + QK-clip
+step, remat and scanned layers as `python -m k3jax.train`), fed synthetic batches from the real
+data pipeline (drawn before timing, so the input pipeline is not timed). Warm-up steps (the first
+compiles), then the median of the timed steps.
+
+  tokens/s      batch x sequence tokens per step / median step time (MaxText's Tokens/s/device)
+  TFLOP/s       counts.train_flops_per_token (analytic 3 x forward model FLOPs, no remat
+                recompute) x tokens/s
+  vs peak       TFLOP/s / this machine's float32 matmul rate (metrics.measure_cpu_matmul_tflops,
+                measured just before each config's timing, in the same process): the CPU 'MFU'
+
+The deepseek3-tiny row uses exactly MaxText's settings for that model (DS3_TINY below), so its
+tokens/s can be set beside MaxText's Tokens/s/device for the same model on the same machine.
+
+    .venv/bin/python benchmarks/train_step.py                               # tiny small
+    .venv/bin/python benchmarks/train_step.py --config tiny small deepseek3-tiny
+    .venv/bin/python benchmarks/train_step.py --config small --set opt_type=adamw
+Results: stdout table and benchmarks/results/train_step.json (--out to change).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from common import cpu_only, machine, median_time, print_table, result_path, write_json
+
+cpu_only()
+
+import jax  # noqa: E402
+
+from k3jax import config as C  # noqa: E402
+from k3jax import counts  # noqa: E402
+from k3jax.metrics import measure_cpu_matmul_tflops  # noqa: E402
+from k3jax.model import count_params  # noqa: E402
+from k3jax.sharding import make_mesh  # noqa: E402
+from k3jax.train import _data_iterator, _global_batch, make_train_step, setup_state  # noqa: E402
+
+# The training settings of each row. tiny/small: sizes a 2-core CPU steps in well under a second
+# (tiny) / a few seconds (small) while matrix work still dominates small; deepseek3-tiny: MaxText's.
+COMMON = ["opt_type=muon", "use_qk_clip=true", "dtype=float32", "weight_dtype=float32", "scan_layers=true",
+          "remat_policy=full", "gradient_accumulation_steps=1", "enable_checkpointing=false",
+          "enable_tensorboard=false"]
+ROWS = {
+    "tiny": ["per_device_batch_size=8", "max_target_length=256"],
+    "small": ["per_device_batch_size=2", "max_target_length=512"],
+    "deepseek3-tiny": ["per_device_batch_size=2", "max_target_length=256", "dtype=float32",
+                       "weight_dtype=float32", "scan_layers=true", "remat_policy=full", "opt_type=muon",
+                       "use_qk_clip=true"],
+}
+COLUMNS = [("config", "config", "s"), ("B x T", "shape", "s"), ("params", "params_h", "s"),
+           ("GFLOP/tok", "train_gflop_per_token", ".4f"), ("step ms", "step_ms", ".1f"),
+           ("tokens/s", "tokens_per_s", ".0f"), ("TFLOP/s", "model_tflops", ".4f"),
+           ("f32 peak TFLOP/s", "cpu_peak_tflops", ".4f"), ("vs peak %", "vs_peak_pct", ".2f"),
+           ("compile s", "compile_and_first_step_s", ".1f")]
+
+
+def load_config(name: str, extra: list[str]):
+    """Config of one row: base.yml, the model yml, COMMON, the row's sizes, then --set overrides."""
+    return C.load(overrides=[f"model_name={name}", *COMMON, *ROWS.get(name, []), *extra])
+
+
+def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict:
+    """Build, compile and time one config's train step; returns one table row."""
+    cfg = load_config(name, extra)
+    mesh = make_mesh(cfg, devices=jax.devices()[:1])
+    C.validate(cfg, num_devices=1)
+    gb = cfg.global_batch_size(1)
+    seq = cfg.train.max_target_length
+    gdef, state, tx = setup_state(cfg, mesh)
+    n_params = count_params(state["params"])
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(make_train_step(cfg, gdef, tx, mesh), donate_argnums=0, out_shardings=(shardings, None))
+    data = _data_iterator(cfg, gb)
+    batches = [_global_batch(next(data), mesh, gb) for _ in range(warmup + repeats)]
+    it = iter(batches)
+    holder = {"state": state, "loss": []}
+
+    def one_step():
+        with jax.set_mesh(mesh):
+            holder["state"], m = step(holder["state"], next(it))
+        m = jax.block_until_ready(m)
+        holder["loss"].append(float(m["loss"]))
+
+    t0 = time.perf_counter()
+    one_step()                                   # compile + first step
+    first_s = time.perf_counter() - t0
+    peak = measure_cpu_matmul_tflops()           # the machine's f32 matmul rate, right now
+    sec, times = median_time(one_step, warmup=max(warmup - 1, 0), repeats=repeats)
+    flops_tok = counts.train_flops_per_token(cfg.model, seq, cfg.kernel.kda_chunk_size)
+    tok_s = gb * seq / sec
+    tflops = flops_tok * tok_s / 1e12
+    t = cfg.train
+    return {"config": name, "batch": gb, "seq": seq, "params": n_params,
+            "active_params": counts.param_counts(cfg.model)[1], "train_gflop_per_token": flops_tok / 1e9,
+            "compile_and_first_step_s": first_s, "step_s": sec, "step_times_s": times, "tokens_per_s": tok_s,
+            "model_tflops": tflops, "cpu_peak_tflops": peak, "vs_peak": tflops / peak,
+            "loss_first": holder["loss"][0], "loss_last": holder["loss"][-1],
+            "settings": {"opt_type": t.opt_type, "use_qk_clip": t.use_qk_clip, "dtype": t.dtype,
+                         "weight_dtype": t.weight_dtype, "scan_layers": t.scan_layers,
+                         "remat_policy": t.remat_policy, "per_device_batch_size": t.per_device_batch_size,
+                         "max_target_length": seq, "overrides": [*COMMON, *ROWS.get(name, []), *extra]}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", nargs="+", default=["tiny", "small"],
+                   help="model names under configs/models/ (tiny, small, deepseek3-tiny, ...)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides applied to every row, after the row's own settings")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first one compiles")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps (median)")
+    p.add_argument("--out", default=result_path("train_step"))
+    a = p.parse_args(argv)
+    if a.warmup < 1 or a.repeats < 1:
+        p.error("--warmup and --repeats must be >= 1")
+
+    info = machine()
+    rows = []
+    for name in a.config:
+        try:
+            rows.append(bench_config(name, a.set, a.warmup, a.repeats))
+        except C.ConfigError as e:
+            raise SystemExit(f"error: {name}: {e}") from None
+    print(f"\nTrain step (fwd + bwd + {rows[0]['settings']['opt_type']} update) on one {info['backend']} device "
+          f"({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32, median of {a.repeats}")
+    view = [dict(r, shape=f"{r['batch']} x {r['seq']}", params_h=counts.human(r["params"]),
+                 step_ms=1e3 * r["step_s"], vs_peak_pct=100 * r["vs_peak"]) for r in rows]
+    print_table(view, COLUMNS)
+    write_json(a.out, {"benchmark": "train_step", "machine": info, "warmup": a.warmup, "repeats": a.repeats,
+                       "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
