@@ -9,9 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak TFLOP/s per chip (Google Cloud TPU docs; NVIDIA datasheets, dense).
+# Dense bf16 peak TFLOP/s per JAX device (Google Cloud TPU docs; NVIDIA datasheets, dense).
+# TPU7x shows two devices per chip, so its per-chip 2307 is halved here.
 PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v5p": 459.0,
-               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0, "NVIDIA H100": 989.0,
+               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 1153.5, "NVIDIA H100": 989.0,
                "NVIDIA H200": 989.0, "NVIDIA B200": 2250.0, "NVIDIA GB200": 2500.0}
 
 _CPU_PEAK: float | None = None

@@ -1,0 +1,289 @@
+"""Ahead-of-time compilation for a TPU topology from a CPU host: does the step fit, and how fast?
+
+    python -m k3jax.compile configs/base.yml model_name=kimi-k3 compile_topology=v5p-2048 \\
+        ici_fsdp_parallelism=16 ici_expert_parallelism=64 per_device_batch_size=1 max_target_length=4096 \\
+        dtype=bfloat16 weight_dtype=bfloat16 kda_impl=chunked moe_mode=capacity
+
+Builds the abstract train state (parameters, optimizer moments, router biases: shapes, dtypes and
+NamedShardings only, nothing allocated), lowers the real jitted train step (``train.make_train_step``)
+and the decode step (``model.decode_step`` over a cache of ``max_target_length`` slots) against the
+topology's virtual devices and compiles them with libtpu. Prints per-device memory from
+``memory_analysis()`` against the chip's HBM, XLA's FLOPs from ``cost_analysis()`` next to the
+analytic ``counts.train_flops_per_token``, and a roofline step-time / MFU estimate. Exits 1 with a
+one-line reason when a step does not fit in HBM, 2 on a configuration error.
+
+Caveat on XLA's FLOPs: HLO cost analysis counts a while-loop body once, whatever its trip count, so
+with scanned layers (``scan_layers=true``), gradient accumulation, the chunked loss or KDA's chunk
+loop the XLA figure undercounts; the analytic figure is the one used for MFU (docs/flops.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import config as C
+from k3jax import counts
+from k3jax import model as M
+from k3jax import topology as TP
+from k3jax.layers.common import RouterBias
+from k3jax.sharding import batch_sharding, make_mesh, sharding_for
+
+
+class DoesNotFit(RuntimeError):
+    """A compiled step needs more memory per device than the chip has."""
+
+
+# ---- abstract state ------------------------------------------------------------------------------
+
+def _sds(v, mesh):
+    """nnx.Variable holding a ShapeDtypeStruct -> the same Variable with its NamedSharding attached."""
+    return v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding_for(mesh, v.shape, v.axes)))
+
+
+def abstract_model(cfg, mesh):
+    """(graphdef, params, rest) of ``M.build(cfg)`` as ShapeDtypeStructs with NamedShardings.
+
+    Built under ``jax.set_mesh(mesh)`` so kernels that check their target (the Pallas KDA) see the
+    topology's TPU devices, not the CPU host.
+    """
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(lambda: M.build(cfg, 0))
+    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    params = jax.tree.map(lambda v: _sds(v, mesh), params, is_leaf=is_var)
+    rest = jax.tree.map(lambda v: _sds(v, mesh), rest, is_leaf=is_var)
+    return gdef, params, rest
+
+
+def abstract_train_state(cfg, mesh):
+    """-> (graphdef, optax tx, state) with state = {"params", "opt_state", "rest"} all abstract."""
+    from k3jax.optim import make_optimizer, opt_state_shardings
+    gdef, params, rest = abstract_model(cfg, mesh)
+    tx = make_optimizer(dataclasses.replace(cfg.train, gradient_accumulation_steps=1), params)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_sh = opt_state_shardings(tx, params)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
+    return gdef, tx, {"params": params, "opt_state": opt_state, "rest": rest}
+
+
+def abstract_batch(cfg, mesh, global_batch: int):
+    """Train batch of [B,T]: int32 tokens/targets/segment_ids/positions and f32 loss_mask."""
+    t = cfg.train.max_target_length
+    sh = batch_sharding(mesh, 2)
+    spec = lambda dt: jax.ShapeDtypeStruct((global_batch, t), dt, sharding=sh)  # noqa: E731
+    return {"tokens": spec(jnp.int32), "targets": spec(jnp.int32), "segment_ids": spec(jnp.int32),
+            "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
+
+
+def abstract_cache(cfg, gdef, params, rest, mesh, batch: int, length: int):
+    """Decode cache of ``length`` slots for ``batch`` rows, sharded by its logical axes."""
+    model = nnx.merge(gdef, params, rest)
+    spec = model.cache_spec(batch, length)
+    leaf = lambda x: isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)  # noqa: E731
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], s[1], sharding=sharding_for(mesh, s[0], s[2])),
+                        spec, is_leaf=leaf)
+
+
+# ---- compilation -----------------------------------------------------------------------------------
+
+def check_batch(cfg, num_devices: int) -> int:
+    """Global batch for ``num_devices``; must split over the batch-sharded mesh axes and micro-batches."""
+    gb = cfg.global_batch_size(num_devices)
+    k = cfg.train.gradient_accumulation_steps
+    if gb % k:
+        raise C.ConfigError(f"global batch {gb} is not divisible by gradient_accumulation_steps={k}")
+    return gb
+
+
+def compile_train(cfg, mesh):
+    """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
+    from k3jax.train import make_train_step
+    gb = check_batch(cfg, mesh.devices.size)
+    gdef, tx, state = abstract_train_state(cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(make_train_step(cfg, gdef, tx, mesh), donate_argnums=0, out_shardings=(shardings, None))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, abstract_batch(cfg, mesh, gb)).compile()
+    return compiled, time.perf_counter() - t0, gb
+
+
+def compile_decode(cfg, mesh):
+    """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
+    gb = cfg.global_batch_size(mesh.devices.size)
+    length = cfg.train.max_target_length
+    gdef, params, rest = abstract_model(cfg, mesh)
+    cache = abstract_cache(cfg, gdef, params, rest, mesh, gb, length)
+    cache_sh = jax.tree.map(lambda x: x.sharding, cache)
+    rows = batch_sharding(mesh, 1)
+    scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def step(params, rest, tokens, cache, pos, start):
+        return nnx.merge(gdef, params, rest).decode_step(tokens, cache, pos, start, mesh=mesh)
+
+    fn = jax.jit(step, donate_argnums=3, out_shardings=(None, cache_sh))
+    args = (params, rest, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows), cache,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - t0, gb
+
+
+# ---- reports ---------------------------------------------------------------------------------------
+
+def memory_report(compiled, hbm_bytes: float) -> dict:
+    """Per-device bytes from ``compiled.memory_analysis()``.
+
+    total = arguments + outputs - aliased (donated buffers reused as outputs) + temporaries +
+    generated code: the peak a device must hold while the step runs.
+    """
+    ma = compiled.memory_analysis()
+    if ma is None:
+        raise RuntimeError("the compiled executable has no memory analysis")
+    r = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
+         "aliased": ma.alias_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
+         "code": ma.generated_code_size_in_bytes}
+    r["total"] = r["arguments"] + r["outputs"] - r["aliased"] + r["temporaries"] + r["code"]
+    r["hbm"] = hbm_bytes
+    r["fits"] = r["total"] <= hbm_bytes
+    return r
+
+
+def cost_report(compiled) -> dict:
+    """Per-device FLOPs and bytes accessed from XLA's cost analysis (loop bodies counted once)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older jax returned one dict per program
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
+
+
+def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip) -> dict:
+    """Lower-bound step time: the slower of compute at peak and HBM traffic at full bandwidth."""
+    t_compute = flops_per_device / chip.peak_flops
+    t_memory = bytes_per_device / chip.hbm_bandwidth
+    return {"t_compute": t_compute, "t_memory": t_memory, "step_s": max(t_compute, t_memory)}
+
+
+def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict) -> dict:
+    """Analytic model FLOPs (6N-style, for MFU) and the roofline step time / MFU / tokens/s/chip.
+
+    Compute time uses the executed FLOPs: model FLOPs x remat factor (full remat re-runs the forward:
+    4/3; save_dot keeps matmul outputs: ~1) or XLA's count when larger. Memory time uses XLA's bytes
+    accessed, a lower bound for the same loop-counting reason.
+    """
+    m, t = cfg.model, cfg.train
+    tokens = gb * t.max_target_length
+    per_tok = counts.train_flops_per_token(m, t.max_target_length, cfg.kernel.kda_chunk_size)
+    model_flops = per_tok * tokens / n_dev
+    remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
+    executed = max(model_flops * remat, cost["flops"])
+    r = roofline(executed, cost["bytes"], chip)
+    r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
+              "executed_flops_per_device": executed,
+              "mfu": model_flops / r["step_s"] / chip.peak_flops if r["step_s"] else 0.0})
+    r["tokens_per_s_per_chip"] = tokens / r["step_s"] / (n_dev / chip.devices_per_chip) if r["step_s"] else 0.0
+    return r
+
+
+def gib(x: float) -> str:
+    return f"{x / TP.GiB:.2f} GiB"
+
+
+def format_memory(name: str, mem: dict) -> str:
+    pct = 100 * mem["total"] / mem["hbm"]
+    return (f"{name} memory per device: arguments {gib(mem['arguments'])}, outputs {gib(mem['outputs'])} "
+            f"(aliased {gib(mem['aliased'])}), temporaries {gib(mem['temporaries'])}, code {gib(mem['code'])}; "
+            f"total {gib(mem['total'])} of {gib(mem['hbm'])} HBM ({pct:.1f}%) -> "
+            f"{'fits' if mem['fits'] else 'DOES NOT FIT'}")
+
+
+def mesh_desc(mesh) -> str:
+    return " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+
+
+def topology_mesh(cfg, name: str):
+    """(Topology, Mesh over its virtual devices) for ``name``, mesh sizes from cfg.mesh."""
+    topo = TP.resolve(name)
+    devs = TP.devices(topo)
+    C.validate(cfg, num_devices=len(devs))
+    return topo, make_mesh(cfg, devices=devs)
+
+
+def run(cfg, out=print) -> dict:
+    """Compile the steps named by cfg.compile.compile_step; -> {"train": report, "decode": report}."""
+    if not cfg.compile.compile_topology:
+        raise C.ConfigError("compile_topology is not set; e.g. compile_topology=v5p-2048 or v5p:2x2x1")
+    topo, mesh = topology_mesh(cfg, cfg.compile.compile_topology)
+    chip, n = topo.chip, mesh.devices.size
+    m = cfg.model
+    total, active = counts.param_counts(m)
+    out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
+        f"{counts.human(active)} active; kernels kda={cfg.kernel.kda_impl} attention={cfg.kernel.attention_impl} "
+        f"moe={cfg.kernel.moe_impl}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport}; "
+        f"remat={cfg.train.remat_policy}")
+    reports = {}
+    if cfg.compile.compile_step in ("train", "both"):
+        compiled, secs, gb = compile_train(cfg, mesh)
+        mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
+        est = train_estimate(cfg, gb, n, chip, cost)
+        reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "compile_s": secs, "global_batch": gb}
+        out(f"train step: global batch {gb} x {cfg.train.max_target_length} tokens, compiled in {secs:.1f}s")
+        out(format_memory("train", mem))
+        out(f"train FLOPs per device: XLA cost analysis {cost['flops']:.3e} (loop bodies once), analytic model "
+            f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "
+            f"with remat {est['executed_flops_per_device']:.3e}; XLA bytes accessed {cost['bytes']:.3e}")
+        out(f"train estimate at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s per "
+            f"device): step {est['step_s']:.3f}s (compute {est['t_compute']:.3f}s, memory {est['t_memory']:.3f}s), "
+            f"MFU {100 * est['mfu']:.1f}%, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+    if cfg.compile.compile_step in ("decode", "both"):
+        compiled, secs, gb = compile_decode(cfg, mesh)
+        mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
+        reports["decode"] = {"memory": mem, "cost": cost, "compile_s": secs, "global_batch": gb}
+        out(f"decode step: batch {gb}, cache {cfg.train.max_target_length} slots, compiled in {secs:.1f}s")
+        out(format_memory("decode", mem))
+        out(f"decode FLOPs per device: XLA {cost['flops']:.3e}; bytes accessed {cost['bytes']:.3e} "
+            f"(>= {cost['bytes'] / chip.hbm_bandwidth * 1e3:.2f} ms per token at full HBM bandwidth)")
+    return reports
+
+
+def fit_error(reports: dict) -> str | None:
+    """One actionable line naming the steps that do not fit in HBM, or None when all fit."""
+    over = [k for k, r in reports.items() if not r["memory"]["fits"]]
+    if not over:
+        return None
+    need = "; ".join(f"{k} needs {gib(reports[k]['memory']['total'])} per device of {gib(reports[k]['memory']['hbm'])}"
+                     for k in over)
+    return (f"the {' and '.join(over)} step does not fit in HBM: {need} (raise ici_fsdp/expert parallelism, lower "
+            f"per_device_batch_size or max_target_length, use remat_policy=full or moe_mode=capacity)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        reports = run(C.load_from_argv(argv))
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, NotImplementedError) as e:  # libtpu missing, a kernel that cannot lower, or OOM
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "RESOURCE_EXHAUSTED" in first or "HbmOom" in first:  # XLA refuses at compile time
+            print(f"error: does not fit: the TPU compiler ran out of HBM: {first}", file=sys.stderr)
+        else:
+            print(f"error: compilation failed: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    problem = fit_error(reports)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Mesh planner: AOT-compile candidate meshes for a TPU topology and rank those that fit.
+
+    python -m k3jax.plan configs/base.yml model_name=kimi-k3 topology=tpu7x-1024 max_target_length=4096
+
+Candidates are (expert parallelism, data parallelism, remat policy, per-device batch) with fsdp
+filling the remaining devices of the slice; expert parallelism takes the three largest common
+divisors of num_experts and the device count (experts dominate K3's memory). Every candidate's train step is
+compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table
+is ranked by the roofline estimate of tokens/s/chip (model FLOPs and XLA bytes at the chip's peak,
+see k3jax.compile.train_estimate). A candidate the compiler rejects is listed with its reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from k3jax import compile as K
+from k3jax import config as C
+from k3jax import topology as TP
+from k3jax.sharding import make_mesh
+
+REMATS = ("full", "save_mixer_out")
+BATCHES = (1.0, 2.0)
+
+
+def candidates(cfg, num_devices: int) -> list[dict]:
+    """Mesh/remat/batch combinations to try, most expert-parallel first (experts dominate memory)."""
+    m = cfg.model
+    eps = [e for e in range(1, num_devices + 1) if num_devices % e == 0 and m.num_experts % e == 0]
+    eps = sorted(eps, reverse=True)[:3]
+    out = []
+    for ep in eps:
+        for dp in (1, 2):
+            if (num_devices // ep) % dp:
+                continue
+            for remat in REMATS:
+                for pdb in BATCHES:
+                    out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": dp, "ici_fsdp_parallelism": -1,
+                                "remat_policy": remat, "per_device_batch_size": pdb})
+    return out
+
+
+def with_overrides(cfg, cand: dict):
+    """cfg with a candidate's mesh/train keys replaced (section by section, validated)."""
+    sections = {}
+    for key, val in cand.items():
+        sec = C.KEYS[key][0]
+        sections.setdefault(sec, {})[key] = C.coerce(key, val)
+    out = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in sections.items()})
+    C.validate(out)
+    return out
+
+
+def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
+    """Compile one candidate; -> row with memory, estimate, or the compiler's refusal."""
+    row = dict(cand)
+    try:
+        c = with_overrides(cfg, cand)
+        C.validate(c, num_devices=len(devices))
+        mesh = make_mesh(c, devices=devices)
+        row["mesh"] = K.mesh_desc(mesh)
+        compiled, secs, gb = K.compile_train(c, mesh)
+    except C.ConfigError as e:
+        row["error"] = str(e)
+        return row
+    except (RuntimeError, NotImplementedError) as e:  # HBM OOM at compile time and kernel refusals
+        row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return row
+    mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
+    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost),
+               global_batch=gb, compile_s=secs)
+    return row
+
+
+def table(rows: list[dict], seq: int) -> str:
+    """Ranked table of fitting rows (best tokens/s/chip first), then the rejected ones."""
+    ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
+                key=lambda r: -r["estimate"]["tokens_per_s_per_chip"])
+    head = (f"{'rank':>4}  {'mesh':<44} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
+            f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(ok, 1):
+        e, m = r["estimate"], r["memory"]
+        lines.append(f"{i:>4}  {r['mesh']:<44} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
+                     f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
+                     f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
+    rejected = [r for r in rows if r not in ok]
+    if rejected:
+        lines.append(f"not fitting or not compiling (sequence length {seq}):")
+        for r in rejected:
+            why = r.get("error") or f"needs {r['memory']['total'] / TP.GiB:.1f} GiB per device"
+            lines.append(f"      expert={r['ici_expert_parallelism']} data={r['ici_data_parallelism']} "
+                         f"remat={r['remat_policy']} batch/dev={r['per_device_batch_size']:g}: {why}")
+    return "\n".join(lines)
+
+
+def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
+    """Try the candidates for cfg.compile.topology; print progress and the ranked table."""
+    if not cfg.compile.topology:
+        raise C.ConfigError("topology is not set; e.g. topology=tpu7x-1024 or topology=v5p-2048")
+    topo = TP.resolve(cfg.compile.topology)
+    devices = TP.devices(topo)
+    cands = candidates(cfg, len(devices))[:limit]
+    out(f"planning {cfg.model_name} on {topo}: {len(cands)} candidates, sequence length {cfg.train.max_target_length}")
+    rows = []
+    for i, cand in enumerate(cands, 1):
+        r = evaluate(cfg, devices, topo.chip, cand)
+        status = r.get("error") or (f"{r['memory']['total'] / TP.GiB:.1f} GiB/dev, "
+                                    f"{r['estimate']['tokens_per_s_per_chip']:.0f} tok/s/chip")
+        out(f"[{i}/{len(cands)}] expert={cand['ici_expert_parallelism']} data={cand['ici_data_parallelism']} "
+            f"remat={cand['remat_policy']} batch/dev={cand['per_device_batch_size']:g}: {status}")
+        rows.append(r)
+    out(table(rows, cfg.train.max_target_length))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        rows = plan(C.load_from_argv(argv))
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not any("memory" in r and r["memory"]["fits"] for r in rows):
+        print("error: no candidate fits; try a longer slice, a shorter max_target_length or moe_mode=capacity",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

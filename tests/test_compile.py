@@ -1,0 +1,97 @@
+"""AOT compilation for TPU topologies (k3jax.compile / k3jax.topology) and the FLOPs formulas.
+
+The topology test compiles a 4-layer tiny K3 (KDA, MLA, dense and MoE FFNs, AttnRes) with libtpu
+for v5p:2x2x1 from this CPU host; it skips only when libtpu cannot describe a TPU topology. The
+FLOPs test compares counts.forward_flops_per_token with XLA:CPU's cost analysis of the forward.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from k3jax import compile as K
+from k3jax import config as C
+from k3jax import counts
+from k3jax import model as M
+from k3jax import topology as TP
+
+TINY4 = ["model_name=tiny", "num_layers=4", "mla_extra_layers=[]", "attn_res_block_size=2", "opt_type=adamw",
+         "use_qk_clip=false", "compile_topology=v5p:2x2x1"]
+
+
+def test_topology_names():
+    assert TP.resolve("v5p-2048").libtpu_name == "v5p:8x8x16"
+    assert TP.resolve("v5p-8").libtpu_name == "v5p:2x2x1"
+    t = TP.resolve("tpu7x-1024")
+    assert (t.libtpu_name, t.num_chips, t.num_devices) == ("tpu7x:8x8x8", 512, 1024)
+    assert TP.resolve("v6e:4x4").num_devices == 16
+    assert TP.resolve("tpu7x-8").chip.hbm_bytes == pytest.approx(96e9)
+    for bad in ("v5p-3", "v9-8", "v5p:2x2", "v5p-100"):
+        with pytest.raises(C.ConfigError):
+            TP.resolve(bad)
+
+
+def test_main_reports_config_errors(capsys):
+    assert K.main(["model_name=tiny"]) == 2
+    assert "compile_topology is not set" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_compiled():
+    if not TP.libtpu_available():
+        pytest.skip("libtpu is not installed: no TPU compiler")
+    cfg = C.load_from_argv(TINY4)
+    topo, mesh = K.topology_mesh(cfg, "v5p:2x2x1")
+    compiled, secs, gb = K.compile_train(cfg, mesh)
+    return cfg, topo, mesh, compiled, gb
+
+
+def test_tiny_train_step_compiles_for_v5p(tiny_compiled):
+    cfg, topo, mesh, compiled, gb = tiny_compiled
+    assert mesh.devices.size == 4 and mesh.devices.flat[0].platform == "tpu"
+    assert gb == 8
+    mem = K.memory_report(compiled, topo.chip.hbm_bytes)
+    assert mem["arguments"] > 0 and mem["temporaries"] > 0
+    assert 0 < mem["total"] < mem["hbm"] and mem["fits"]
+    assert "memory per device" in K.format_memory("train", mem) and "fits" in K.format_memory("train", mem)
+    cost = K.cost_report(compiled)
+    assert cost["flops"] > 0 and cost["bytes"] > 0
+    est = K.train_estimate(cfg, gb, 4, topo.chip, cost)
+    assert est["step_s"] > 0 and 0 < est["mfu"] < 1
+    assert K.fit_error({"train": {"memory": mem}}) is None
+    small = K.memory_report(compiled, hbm_bytes=1024.0)   # the same step on a 1 KiB chip
+    assert not small["fits"]
+    assert "does not fit" in K.fit_error({"train": {"memory": small}})
+
+
+SMALL = dict(vocab_size=4096, hidden_size=512, num_layers=4, mla_every=4, mla_extra_layers=[], first_k_dense=1,
+             kda_num_heads=4, kda_head_dim=64, kda_gate_rank=64, num_attention_heads=4, q_lora_rank=128,
+             kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024,
+             num_experts=1, num_experts_per_token=1, num_shared_experts=1, moe_intermediate_size=256,
+             moe_latent_size=256, attn_res_block_size=2, scan_layers=False, max_target_length=64, kda_chunk_size=64)
+
+
+def test_forward_flops_match_xla_cost_analysis():
+    """Analytic forward FLOPs within 10% of XLA's count. One expert with top-1 (XLA:CPU counts a
+    ragged_dot as every group on every row), T = one KDA chunk and unrolled layers (XLA counts a
+    loop body once), so XLA's figure is the full work; docs/flops.md explains the choices."""
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", {k: str(v) for k, v in SMALL.items()})
+    b, t = 2, cfg.train.max_target_length
+    gdef, st = nnx.split(nnx.eval_shape(lambda: M.build(cfg, 0)))
+    st = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    fwd = jax.jit(lambda st, tok: nnx.merge(gdef, st)(tok)[0])
+    compiled = fwd.lower(st, jax.ShapeDtypeStruct((b, t), jnp.int32)).compile()
+    xla = K.cost_report(compiled)["flops"] / (b * t)
+    analytic = counts.forward_flops_per_token(cfg.model, t, cfg.kernel.kda_chunk_size)
+    assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
+    assert counts.train_flops_per_token(cfg.model, t, 64) == pytest.approx(3 * analytic)
+
+
+def test_plan_candidates_and_overrides():
+    from k3jax import plan as PL
+    cfg = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-1024"])
+    cands = PL.candidates(cfg, 1024)
+    assert {c["ici_expert_parallelism"] for c in cands} == {128, 64, 32}   # divisors of 896 and 1024
+    c = PL.with_overrides(cfg, cands[0])
+    assert c.mesh.ici_expert_parallelism == 128 and c.train.remat_policy == cands[0]["remat_policy"]
+    assert "rank" in PL.table([], 4096)
