@@ -1,0 +1,123 @@
+"""KDA core: reference (token-serial scan) vs chunked (WY/UT + chunk walk) on the default backend.
+
+Part 1 times, jitted, best of N after a warm-up run, at B=1, H=4, K=V=128, f32 and
+T in {512, 2048, 8192}:
+  fwd      kda(q, k, v, g, beta) -> (o, final_state)
+  fwd+bwd  jax.grad of sum(o * c) + sum(S * c_S) wrt q, k, v, g, beta and the initial state
+and the speed-up chunked / reference.
+Part 2 reports the temp memory XLA plans for the chunked fwd+bwd (compile().memory_analysis()),
+which must grow linearly in T (the backward keeps only the inputs and T/C chunk states).
+Part 3 is analytic: matmul FLOPs per token of one chunked forward at the K3 shape
+(H=96, K=V=128, C=64), `chunked.chunked_flops_per_token`, for MFU accounting.
+
+On CPU the numbers are relative only; nothing about TPU speed follows.
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/kda.py                     # table + JSON
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/kda.py --lengths 512 2048 --repeats 2
+Results: stdout table and benchmarks/results/kda.json (--out to change).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "src"))  # run as a script without installing
+
+from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked  # noqa: E402
+from k3jax.kernels.kda.reference import kda_reference  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda.json")
+K3 = dict(H=96, K=128, V=128, chunk=64)
+
+
+def _problem(T, H, K, V):
+    ks = jax.random.split(jax.random.key(0), 8)
+    nrm = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+    q = nrm(jax.random.normal(ks[0], (1, T, H, K)))
+    k = nrm(jax.random.normal(ks[1], (1, T, H, K)))
+    v = jax.random.normal(ks[2], (1, T, H, V))
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, H, K)))   # K3 gate range
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H)))
+    h0 = jax.random.normal(ks[5], (1, H, K, V)) * 0.1
+    co = jax.random.normal(ks[6], (1, T, H, V))
+    cs = jax.random.normal(ks[7], (1, H, K, V))
+    return (q, k, v, g, beta, h0), (co, cs)
+
+
+def _fns(kda):
+    def fwd(q, k, v, g, beta, h0):
+        return kda(q, k, v, g, beta, initial_state=h0)
+
+    def loss(args, cots):
+        o, S = fwd(*args)
+        return jnp.sum(o * cots[0]) + jnp.sum(S * cots[1])
+
+    return jax.jit(fwd), jax.jit(jax.grad(loss))
+
+
+def _best(fn, args, repeats):
+    jax.block_until_ready(fn(*args))                                     # compile + warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128, help="K = V")
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    H, D = args.heads, args.dim
+    impls = {"reference": kda_reference,
+             "chunked": lambda *a, **kw: kda_chunked(*a, chunk_size=args.chunk, **kw)}
+    rows = []
+    print(f"backend={jax.default_backend()} B=1 H={H} K=V={D} f32 chunk={args.chunk} "
+          f"best of {args.repeats}")
+    print(f"{'T':>6} {'impl':>9} {'fwd ms':>10} {'fwd+bwd ms':>11} {'temp MiB':>9}")
+    for T in args.lengths:
+        inputs, cots = _problem(T, H, D, D)
+        row = {"T": T}
+        for name, kda in impls.items():
+            fwd, grad = _fns(kda)
+            t_f = _best(fwd, inputs, args.repeats)
+            t_b = _best(grad, (inputs, cots), args.repeats)
+            mem = grad.lower(inputs, cots).compile().memory_analysis()
+            temp = None if mem is None else int(mem.temp_size_in_bytes)
+            row[name] = {"fwd_s": t_f, "fwd_bwd_s": t_b, "fwd_bwd_temp_bytes": temp}
+            tmib = "n/a" if temp is None else f"{temp / 2**20:9.1f}"
+            print(f"{T:>6} {name:>9} {t_f * 1e3:10.1f} {t_b * 1e3:11.1f} {tmib:>9}")
+        row["speedup_fwd"] = row["reference"]["fwd_s"] / row["chunked"]["fwd_s"]
+        row["speedup_fwd_bwd"] = row["reference"]["fwd_bwd_s"] / row["chunked"]["fwd_bwd_s"]
+        print(f"{T:>6} {'speed-up':>9} {row['speedup_fwd']:9.1f}x {row['speedup_fwd_bwd']:10.1f}x")
+        rows.append(row)
+    temps = [(r["T"], r["chunked"]["fwd_bwd_temp_bytes"]) for r in rows]
+    print("chunked fwd+bwd temp bytes per token: "
+          + ", ".join(f"T={T}: {b / T:,.0f}" for T, b in temps if b is not None))
+    flops = chunked_flops_per_token(**K3)
+    print(f"chunked forward matmul FLOPs per token at K3 shape {K3}: {flops / 1e6:.2f} MFLOP "
+          f"({flops / K3['H'] / 1e3:.1f} kFLOP per head)")
+    result = {"backend": jax.default_backend(), "B": 1, "H": H, "K": D, "V": D,
+              "chunk": args.chunk, "dtype": "float32", "repeats": args.repeats, "rows": rows,
+              "chunked_flops_per_token_k3": {"shape": K3, "flops": flops}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

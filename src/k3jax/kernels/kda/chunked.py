@@ -1,0 +1,241 @@
+"""Chunked Kimi Delta Attention in plain JAX (XLA): WY/UT intra-chunk algebra plus a state walk.
+
+Per (b, h) and chunk of C tokens (kda.md §2.1), with the intra-chunk factors of intra.py:
+
+    Vn  = U - W @ S                       # residual values after the incoming state's erase
+    O   = QG @ S + Aqk @ Vn               # history read + intra-chunk causal read
+    S'  = dec[:, None] * S + Kg^T @ Vn    # carry to the next chunk
+
+One `lax.scan` step handles a group of G chunks (chunks_per_step): the intra-chunk algebra
+batched over the group, then the walk over its chunks, so the working set is O(G * C) tokens
+however long T is. The gradient is a `jax.custom_vjp` (kda.md §3.1): residuals are the inputs
+and the chunk-start states (T/C x [K, V] per head, O(T), tagged "kda_chunk_states" for remat
+policies); one reverse scan recomputes each group's intra factors, walks back carrying dS and
+applies the intra backward. Gradients flow to q, k, v, g, beta and the initial state.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
+from k3jax.kernels.kda.reference import compute_dtype, match_vma, reset_flags
+
+_HI = lax.Precision.HIGHEST
+
+
+def _mm(spec: str, *xs):
+    return jnp.einsum(spec, *xs, precision=_HI)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: [B, T, H, D] <-> head-major chunks [B, H, NT, C, D] (Pallas) or time-major chunks
+# [NT, B, H, C, D] (the scans here), padding T up to NT * C.
+# ---------------------------------------------------------------------------------------------
+
+def check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int | None = None):
+    """Raise ValueError on inconsistent shapes (shared by all KDA entry points)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B,T,H,K], got shape {q.shape}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k {k.shape} and g {g.shape} must match q {q.shape}")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B,T,H,V] with B,T,H = {(B, T, H)}, got {v.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B,T,H] = {(B, T, H)}, got {beta.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B,H,K,V] = {(B, H, K, v.shape[-1])}, "
+                         f"got {initial_state.shape}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got {segment_ids.shape}")
+    if chunk_size is not None and (chunk_size < SUB or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"chunk_size must be a power of two >= {SUB}, got {chunk_size}")
+
+
+def to_chunks(x: jax.Array, chunk: int, n_chunks: int | None = None) -> jax.Array:
+    """[B, T, H, *D] -> [B, H, NT, C, *D], zero-padding T to NT * C (NT = n_chunks or the
+    fewest chunks that hold T)."""
+    B, T, H = x.shape[:3]
+    nt = -(-T // chunk) if n_chunks is None else n_chunks
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, nt * chunk - T)
+    x = jnp.pad(x, pad)
+    x = x.reshape((B, nt, chunk, H) + x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def from_chunks(x: jax.Array, length: int) -> jax.Array:
+    """[B, H, NT, C, D] -> [B, T, H, D] (drops the padding)."""
+    B, H, nt, C, D = x.shape
+    return jnp.moveaxis(x, 1, 3).reshape(B, nt * C, H, D)[:, :length]
+
+
+def chunk_resets(segment_ids, B: int, T: int, chunk: int, n_chunks: int | None = None):
+    """Reset flags [B, 1, NT, C] (bool); padding tokens never reset, so the state passes."""
+    reset = reset_flags(segment_ids, B, T)
+    nt = -(-T // chunk) if n_chunks is None else n_chunks
+    reset = jnp.pad(reset, ((0, 0), (0, nt * chunk - T)))
+    return reset.reshape(B, 1, nt, chunk)
+
+
+def to_time_chunks(x: jax.Array, chunk: int, n_chunks: int) -> jax.Array:
+    """[B, T, H, *D] -> time-major [NT, B, H, C, *D], zero-padding T to NT * C."""
+    B, T, H = x.shape[:3]
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n_chunks * chunk - T)
+    x = jnp.pad(x, pad).reshape((B, n_chunks, chunk, H) + x.shape[3:])
+    return jnp.moveaxis(x, (1, 3), (0, 2))
+
+
+def from_time_chunks(x: jax.Array, length: int) -> jax.Array:
+    """[NT, B, H, C, D] -> [B, T, H, D] (drops the padding)."""
+    nt, B, H, C, D = x.shape
+    return jnp.moveaxis(x, (0, 2), (1, 3)).reshape(B, nt * C, H, D)[:, :length]
+
+
+# ---------------------------------------------------------------------------------------------
+# State walk over chunks (forward and reverse), jnp version, time-major [N, B, H, ...].
+# ---------------------------------------------------------------------------------------------
+
+def walk_forward(f: IntraOut, h0: jax.Array):
+    """Sequential chunk walk. f: IntraOut with leading [N, B, H] (N chunks in time order).
+
+    Returns O [N, B, H, C, V], the final state [B, H, K, V] and the chunk-start states
+    [N, B, H, K, V] (all in h0.dtype).
+    """
+    def step(S, xs):
+        aqk, w, u, qg, kg, dec = xs
+        vn = u - _mm("...ck,...kv->...cv", w, S)
+        o = _mm("...ck,...kv->...cv", qg, S) + _mm("...cj,...jv->...cv", aqk, vn)
+        S_next = dec[..., None] * S + _mm("...ck,...cv->...kv", kg, vn)
+        return S_next, (o, S)
+
+    S, (o, states) = lax.scan(step, match_vma(h0, f.u), tuple(f))
+    return o, S, states
+
+
+def walk_backward(f: IntraOut, states: jax.Array, do: jax.Array, dS: jax.Array):
+    """Reverse chunk walk carrying dS (kda.md §3.1), time-major like walk_forward.
+
+    Args: f, chunk-start states [N, B, H, K, V], dO [N, B, H, C, V], dS = cotangent of the
+    final state [B, H, K, V]. Returns (IntraOut of cotangents, d.aqk not yet masked; dh0).
+    """
+    def step(dS, xs):
+        aqk, w, u, qg, kg, dec, S, do_c = xs
+        vn = u - _mm("...ck,...kv->...cv", w, S)
+        dvn = _mm("...ij,...iv->...jv", aqk, do_c) + _mm("...ck,...kv->...cv", kg, dS)
+        daqk = _mm("...iv,...jv->...ij", do_c, vn)
+        dqg = _mm("...cv,...kv->...ck", do_c, S)
+        dw = -_mm("...cv,...kv->...ck", dvn, S)
+        dkg = _mm("...cv,...kv->...ck", vn, dS)
+        ddec = jnp.sum(S * dS, axis=-1)
+        dS_prev = (dec[..., None] * dS + _mm("...ck,...cv->...kv", qg, do_c)
+                   - _mm("...ck,...cv->...kv", w, dvn))
+        return dS_prev, IntraOut(daqk, dw, dvn, dqg, dkg, ddec)
+
+    dh0, d = lax.scan(step, match_vma(dS, do), (*f, states, do), reverse=True)
+    return d, dh0
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp core on grouped time-major tensors [NG, G, B, H, C, D] (NG groups of G chunks).
+# ---------------------------------------------------------------------------------------------
+
+def _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states: bool):
+    def body(S, x):
+        f, _ = intra_forward(*x, scale=scale, dtype=dtype)
+        o, S, states = walk_forward(f, S)
+        return S, (o, states) if keep_states else o
+
+    return lax.scan(body, h0, (q, k, v, g, beta, reset))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _core(q, k, v, g, beta, h0, reset, scale, dtype):
+    S, o = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states=False)
+    return o, S
+
+
+def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype):
+    S, (o, states) = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states=True)
+    # The chunk-start states are the only non-input residual: T/C x [K, V] per head, O(T).
+    # Named so that a remat policy can choose to drop them (then the forward reruns).
+    states = checkpoint_name(states, "kda_chunk_states")
+    return (o, S), (q, k, v, g, beta, h0, reset, states)
+
+
+def _core_bwd(scale, dtype, res, cts):
+    q, k, v, g, beta, h0, reset, states = res
+    do, dS = cts
+
+    def reverse(dS, x):
+        *x, states_g, do_g = x
+        f, saved = intra_forward(*x, scale=scale, dtype=dtype)
+        d, dS_prev = walk_backward(f, states_g, do_g.astype(dtype), dS)
+        return dS_prev, intra_backward(d, f, saved, x[1], x[2], x[4], scale=scale)
+
+    dh0, grads = lax.scan(reverse, match_vma(dS.astype(dtype), do),
+                          (q, k, v, g, beta, reset, states, do), reverse=True)
+    grads = grads + (dh0,)
+    return tuple(x.astype(p.dtype) for x, p in zip(grads, res[:6])) + (None,)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def kda_chunked(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
+                segment_ids=None, chunk_size: int = 64, chunks_per_step: int | None = 4):
+    """Chunked KDA forward with a memory-O(T) custom gradient.
+
+    Args:
+      q, k: [B, T, H, K] float (bf16/f32/f64), already l2-normalised by the caller.
+      v: [B, T, H, V].
+      g: [B, T, H, K] float32 log-decay (<= 0).  beta: [B, T, H] float32.
+      scale: multiplies q inside the core; None -> K ** -0.5.
+      initial_state: [B, H, K, V] float32 or None (zeros).
+      segment_ids: [B, T] int32 or None; the state resets where the id changes (never at t = 0).
+      chunk_size: C, a power of two >= 16. Any T works (padded internally with q=k=v=beta=g=0).
+      chunks_per_step: G, chunks whose intra-chunk algebra is batched in one step of the
+        sequential scan (None: all chunks in one step). A small G keeps the working set at
+        O(G * C) tokens, cache-resident on CPU; it never changes the result.
+
+    Returns:
+      o [B, T, H, V] in v.dtype; final_state [B, H, K, V] float32 (float64 for float64 inputs).
+    """
+    check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
+    scale = float(K ** -0.5 if scale is None else scale)
+    h0 = (jnp.zeros((B, H, K, V), dtype) if initial_state is None
+          else initial_state.astype(dtype))
+    h0 = match_vma(h0, q)                                  # a zero state inside shard_map
+    C = chunk_size
+    nt = -(-T // C)
+    G = nt if chunks_per_step is None else max(1, min(chunks_per_step, nt))
+    nt = -(-nt // G) * G                                   # whole groups; padding passes S
+    group = lambda x: x.reshape((nt // G, G) + x.shape[1:])  # noqa: E731
+    chunks = lambda x: group(to_time_chunks(x, C, nt))      # noqa: E731
+    reset = group(jnp.moveaxis(chunk_resets(segment_ids, B, T, C, nt), 2, 0))   # [NG,G,B,1,C]
+    o, S = _core(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0],
+                 h0, reset, scale, jnp.dtype(dtype))
+    return from_time_chunks(o.reshape((nt,) + o.shape[2:]), T).astype(v.dtype), S
+
+
+def chunked_flops_per_token(H: int, K: int, V: int, chunk: int) -> float:
+    """Analytic matmul FLOPs of one chunked KDA forward, per token (all H heads).
+
+    Counts 2 x the multiply-adds of the dense products of one chunk of C tokens, divided by C,
+    masked triangles in full (that is what a matrix unit executes): Aqk, Rkk and W = A @ Xw
+    (3 C^2 K), U = A @ Xu and Aqk @ Vn (2 C^2 V), W @ S, QG @ S and Kg^T @ Vn (3 C K V), plus the
+    triangular inverse (~C^3 / 3). Exponentials, masks and cumsums are excluded. The backward
+    costs about twice this (plus one recomputation of the intra-chunk part).
+    """
+    C = chunk
+    per_chunk = 2 * (3 * C * C * K + 2 * C * C * V + 3 * C * K * V) + 2 * C ** 3 / 3
+    return H * per_chunk / C
