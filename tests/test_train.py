@@ -54,7 +54,12 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     resumed = run("train", *common, "run_name=killed")
     assert "resumed from" in resumed.stdout
     got = losses(tmp_path / "killed")  # resumed steps overwrite the killed run's later entries
-    assert got == want, (got, want)
+    assert sorted(got) == sorted(want)
+    # Same batches and state after the resume. Two uninterrupted runs on this CPU already differ in
+    # the 7th significant digit (XLA:CPU run-to-run float nondeterminism), so compare at 1e-5;
+    # a replayed or skipped batch moves the loss by far more.
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
 
 
 def test_metrics_checkpoint_and_decode(tmp_path):
