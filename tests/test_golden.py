@@ -25,6 +25,22 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
+def cached_decode(model, g):
+    """Prefill the golden's first decode_prompt_len tokens, then feed the rest one at a time:
+    the step logits [B, steps, V], as transformers' cached decode produced them."""
+    from k3jax.decode import left_pad, prefill
+    ids = np.asarray(g["input_ids"], np.int32)
+    n, steps = int(g["decode_prompt_len"]), g["decode_logits"].shape[1]
+    toks, seg, start = left_pad([list(r[:n]) for r in ids])
+    logits, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
+                                                       jnp.asarray(start), n + steps)
+    got = []
+    for i in range(steps):
+        logits, cache = step(model, jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
+        got.append(logits)
+    return jnp.stack(got, 1)
+
+
 def load_asset(asset: Path, tmp, *extra):
     (tmp / "model.yml").write_text(yaml.safe_dump(model_overrides_from_hf(read_config(str(asset)))))
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={tmp / 'model.yml'}", *extra])
@@ -41,7 +57,6 @@ def loaded(tmp_path_factory):
 def test_deepseek_v3_yarn_logits_and_decode(tmp_path):
     """Kimi K2 / DeepSeek-V3 switches: all-MLA with YaRN RoPE, grouped top-k, q LoRA; positions
     run past the YaRN original length (32) up to 72."""
-    from k3jax.decode import left_pad, prefill
     cfg, model, g = load_asset(ASSETS / "deepseek_v3_tiny", tmp_path)
     m = cfg.model
     assert m.mla_use_rope and m.rope_scaling_factor == 4 and (m.n_group, m.topk_group) == (4, 2)
@@ -49,15 +64,7 @@ def test_deepseek_v3_yarn_logits_and_decode(tmp_path):
     ids = np.asarray(g["input_ids"], np.int32)
     logits = forward(model, jnp.asarray(ids))
     assert rel_rms(logits, g["logits"]) <= 1e-4
-    n, steps = int(g["decode_prompt_len"]), g["decode_logits"].shape[1]
-    toks, seg, start = left_pad([list(r[:n]) for r in ids])
-    lg, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
-                                                   jnp.asarray(start), n + steps)
-    got = []
-    for i in range(steps):
-        lg, cache = step(model, jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
-        got.append(lg)
-    assert rel_rms(jnp.stack(got, 1), g["decode_logits"]) <= 1e-4
+    assert rel_rms(cached_decode(model, g), g["decode_logits"]) <= 1e-4
 
 
 def test_derived_config_matches_asset(loaded):
@@ -88,16 +95,5 @@ def test_hidden_states_per_layer(loaded):
 
 
 def test_cached_decode_matches_transformers(loaded):
-    from k3jax.decode import left_pad, prefill
     _, model, g = loaded
-    n = int(g["decode_prompt_len"])
-    ids = np.asarray(g["input_ids"], np.int32)
-    steps = g["decode_logits"].shape[1]
-    toks, seg, start = left_pad([list(r[:n]) for r in ids])
-    logits, cache = nnx.jit(prefill, static_argnums=4)(model, jnp.asarray(toks), jnp.asarray(seg),
-                                                       jnp.asarray(start), n + steps)
-    got = []
-    for i in range(steps):
-        logits, cache = step(model, jnp.asarray(ids[:, n + i]), cache, n + i, jnp.asarray(start))
-        got.append(logits)
-    assert rel_rms(jnp.stack(got, 1), g["decode_logits"]) <= 1e-4
+    assert rel_rms(cached_decode(model, g), g["decode_logits"]) <= 1e-4
