@@ -6,7 +6,8 @@ T in {512, 2048, 8192}:
   fwd+bwd  jax.grad of sum(o * c) + sum(S * c_S) wrt q, k, v, g, beta and the initial state
 and the speed-up chunked / reference.
 Part 2 reports the temp memory XLA plans for the chunked fwd+bwd (compile().memory_analysis()),
-which must grow linearly in T (the backward keeps only the inputs and T/C chunk states).
+which must grow linearly in T (the residuals are the inputs and T/C chunk states; the rest is
+a fixed per-scan-step working set), shown as the marginal bytes per token between lengths.
 Part 3 is analytic: matmul FLOPs per token of one chunked forward at the K3 shape
 (H=96, K=V=128, C=64), `chunked.chunked_flops_per_token`, for MFU accounting.
 
@@ -104,14 +105,18 @@ def main(argv=None):
         row["speedup_fwd_bwd"] = row["reference"]["fwd_bwd_s"] / row["chunked"]["fwd_bwd_s"]
         print(f"{T:>6} {'speed-up':>9} {row['speedup_fwd']:9.1f}x {row['speedup_fwd_bwd']:10.1f}x")
         rows.append(row)
-    temps = [(r["T"], r["chunked"]["fwd_bwd_temp_bytes"]) for r in rows]
-    print("chunked fwd+bwd temp bytes per token: "
-          + ", ".join(f"T={T}: {b / T:,.0f}" for T, b in temps if b is not None))
+    temps = [(r["T"], r["chunked"]["fwd_bwd_temp_bytes"]) for r in rows
+             if r["chunked"]["fwd_bwd_temp_bytes"] is not None]
+    # Linear growth = a constant marginal cost per token (plus a fixed per-group working set).
+    slopes = [(t1, (b1 - b0) / (t1 - t0)) for (t0, b0), (t1, b1) in zip(temps, temps[1:])]
+    print("chunked fwd+bwd temp memory, marginal bytes per token: "
+          + ", ".join(f"up to T={T}: {s:,.0f}" for T, s in slopes))
     flops = chunked_flops_per_token(**K3)
     print(f"chunked forward matmul FLOPs per token at K3 shape {K3}: {flops / 1e6:.2f} MFLOP "
           f"({flops / K3['H'] / 1e3:.1f} kFLOP per head)")
     result = {"backend": jax.default_backend(), "B": 1, "H": H, "K": D, "V": D,
               "chunk": args.chunk, "dtype": "float32", "repeats": args.repeats, "rows": rows,
+              "chunked_temp_marginal_bytes_per_token": dict(slopes),
               "chunked_flops_per_token_k3": {"shape": K3, "flops": flops}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -187,14 +187,16 @@ def test_backward_memory_is_linear_in_length():
 
 def test_invalid_arguments_and_flops():
     q = jnp.zeros((1, 8, 1, 16))
-    with pytest.raises(ValueError, match="chunk_size"):
-        kda_chunked(q, q, q, q, jnp.zeros((1, 8, 1)), chunk_size=24)
+    for bad in (24, 8, 48):                                # powers of two >= 16 only
+        with pytest.raises(ValueError, match="chunk_size"):
+            kda_chunked(q, q, q, q, jnp.zeros((1, 8, 1)), chunk_size=bad)
     with pytest.raises(ValueError, match="beta"):
         kda_chunked(q, q, q, q, jnp.zeros((1, 8, 2)))
     # 2 * (3 C^2 K + 2 C^2 V + 3 C K V) + 2 C^3 / 3 per chunk, per head, / C per token.
     assert chunked_flops_per_token(1, 128, 128, 64) == pytest.approx(
         (2 * (3 * 64 * 64 * 128 + 2 * 64 * 64 * 128 + 3 * 64 * 128 * 128) + 2 * 64 ** 3 / 3) / 64)
-    assert chunked_flops_per_token(96, 128, 128, 64) == 96 * chunked_flops_per_token(1, 128, 128, 64)
+    per_head = chunked_flops_per_token(1, 128, 128, 64)
+    assert chunked_flops_per_token(96, 128, 128, 64) == pytest.approx(96 * per_head)
 
 
 def test_chunked_under_shard_map_matches_unsharded():

@@ -55,7 +55,7 @@ def test_no_silent_fallback_off_tpu():
     with pytest.raises(ValueError, match="chunked.*pallas_tpu.*reference"):
         get_kda_fn("pallas")
     fn = get_kda_fn("pallas_tpu", interpret=True)
-    o, S = fn(q, q, q, q, jnp.zeros((1, 8, 1)))
+    o, S = jax.jit(fn)(q, q, q, q, jnp.zeros((1, 8, 1)))
     assert o.shape == (1, 8, 1, 16) and S.shape == (1, 1, 16, 16)
     assert get_kda_fn("chunked") is KDA_IMPLS["chunked"]
 

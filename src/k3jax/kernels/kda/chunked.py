@@ -133,13 +133,13 @@ def walk_backward(f: IntraOut, states: jax.Array, do: jax.Array, dS: jax.Array):
         dqg = _mm("...cv,...kv->...ck", do_c, S)
         dw = -_mm("...cv,...kv->...ck", dvn, S)
         dkg = _mm("...cv,...kv->...ck", vn, dS)
-        ddec = jnp.sum(S * dS, axis=-1)
         dS_prev = (dec[..., None] * dS + _mm("...ck,...cv->...kv", qg, do_c)
                    - _mm("...ck,...cv->...kv", w, dvn))
-        return dS_prev, IntraOut(daqk, dw, dvn, dqg, dkg, ddec)
+        return dS_prev, (daqk, dw, dvn, dqg, dkg, dS)
 
-    dh0, d = lax.scan(step, match_vma(dS, do), (*f, states, do), reverse=True)
-    return d, dh0
+    dh0, (*d, dS_all) = lax.scan(step, match_vma(dS, do), (*f, states, do), reverse=True)
+    # d dec = rowsum(S_n * dS_n), batched over the chunks after the sequential part.
+    return IntraOut(*d, jnp.sum(states * dS_all, axis=-1)), dh0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ Both are plain f32 JAX (kda.md §4): decode is HBM-bound (one read and one write
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -21,8 +21,8 @@ Numerics (kda.md §2.2-2.3), all in float32 (float64 if the inputs are):
     whole chunk (exp(-G) overflows). Blocks of 16 rows, then 4 rows inside each: an
     off-diagonal block (I, J) is a matmul of X_I exp(G_I - G_n) and Y_J exp(G_n - G_J) with
     the reference n in between, every factor <= 1; the 4 x 4 diagonal blocks are exact
-    elementwise exponentials. Masks go inside the exponent (-inf -> exactly 0), so no lane
-    ever holds inf, in the forward or the backward.
+    elementwise products of exp(g) down the rows. Masks go inside the exponent (-inf ->
+    exactly 0), so no lane ever holds inf, in the forward or the backward.
   * (I + L)^-1 by recursive block inversion over doubling block sizes (the "ladder" of kda.md
     §2.2, as accurate as forward substitution). Never Neumann doubling over a whole chunk.
 """
@@ -105,7 +105,7 @@ class _Factors(NamedTuple):
 
 
 def _factors(Gb) -> _Factors:
-    """Factors for Gb = (hi, lo) [..., NB, bs, D], the blocked compensated cumsum of the gates."""
+    """Factors for Gb = (hi, lo, exp(g)) [..., NB, bs, D], blocked (see intra_forward)."""
     nb = Gb[0].shape[-3]
     Gn = _gmap(lambda x: x[..., :, 0, :], Gb)              # first row of each block [..., NB, D]
     Ge = _gmap(lambda x: x[..., :, -1, :], Gb)             # last row of each block

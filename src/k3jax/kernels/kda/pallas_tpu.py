@@ -17,9 +17,10 @@ Precision.HIGHEST (Mosaic's default f32 dot may truncate operands to bf16). bf16
 operands (W, U, QG, Kg, Aqk and the state as an operand) go through the MXU as bf16 with f32
 accumulation; the intra-chunk algebra stays f32 in XLA either way.
 
-jax.grad cannot pass through pallas_call, so the entry point is a jax.custom_vjp; the backward
-recomputes the intra factors, replays the forward walk kernel to emit the chunk-start states
-(T/C x [K, V] per head), then runs the reverse kernel and the intra backward.
+jax.grad cannot pass through pallas_call, so the entry point is a jax.custom_vjp. Under
+differentiation the forward kernel also emits the chunk-start states (T/C x [K, V] f32 per head,
+the only residual besides the inputs, tagged "kda_chunk_states"); the backward recomputes the
+intra factors in XLA, runs the reverse kernel, then the intra backward.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -239,16 +241,18 @@ def _core(q, k, v, g, beta, h0, reset, scale, dtype, mm_dtype, interpret):
 
 
 def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype, mm_dtype, interpret):
-    out = _core(q, k, v, g, beta, h0, reset, scale, dtype, mm_dtype, interpret)
-    return out, (q, k, v, g, beta, h0, reset)
+    f, _ = intra_forward(q, k, v, g, beta, reset, scale=scale, dtype=dtype)
+    o, S, states = walk_forward_pallas(f, h0, mm_dtype=mm_dtype, interpret=interpret,
+                                       with_states=True)
+    # Chunk-start states: the only non-input residual, O(T); named for remat policies.
+    states = checkpoint_name(states, "kda_chunk_states")
+    return (o, S), (q, k, v, g, beta, h0, reset, states)
 
 
 def _core_bwd(scale, dtype, mm_dtype, interpret, res, cts):
-    q, k, v, g, beta, h0, reset = res
+    q, k, v, g, beta, h0, reset, states = res
     do, dS = cts
     f, saved = intra_forward(q, k, v, g, beta, reset, scale=scale, dtype=dtype)
-    _, _, states = walk_forward_pallas(f, h0, mm_dtype=mm_dtype, interpret=interpret,
-                                       with_states=True)
     d, dh0 = walk_backward_pallas(f, states, do, dS, mm_dtype=mm_dtype, interpret=interpret)
     d = IntraOut(*(x.astype(dtype) for x in d))
     dq, dk, dv, dg, dbeta = intra_backward(d, f, saved, k, v, beta, scale=scale)
