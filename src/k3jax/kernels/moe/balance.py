@@ -33,14 +33,14 @@ def update_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
     """Aux-loss-free bias step: `bias + rate * sign(mean(counts) - counts)`.
 
     Args:
-      bias: [E] f32 selection bias (`e_score_correction_bias`).
-      counts: [E] load of the last step(s), e.g. `expert_load` summed over the global batch.
+      bias: [..., E] f32 selection bias (`e_score_correction_bias`; leading axes = stacked layers).
+      counts: [..., E] load of the last step(s), e.g. `expert_load` summed over the global batch.
       rate: bias update speed (DeepSeek-V3 used 1e-3).
     Returns:
-      [E] new bias, dtype of `bias`. Not differentiated: call outside the gradient.
+      [..., E] new bias, dtype of `bias`. Not differentiated: call outside the gradient.
     """
     counts = counts.astype(jnp.float32)
-    step = jnp.sign(counts.mean() - counts)                               # +1 underloaded, -1 over
+    step = jnp.sign(counts.mean(-1, keepdims=True) - counts)             # +1 underloaded, -1 over
     return (bias.astype(jnp.float32) + rate * step).astype(bias.dtype)
 
 
