@@ -19,16 +19,19 @@ Update of one step (grads averaged over ``gradient_accumulation_steps`` micro-ba
 
     g <- g with frozen leaves zeroed          (frozen grads must not inflate the clip norm)
     g <- clip_by_global_norm(g)               (gradient_clipping_threshold > 0)
-    u <- partition(g):  muon   optax.contrib.muon (Nesterov momentum, Newton-Schulz, consistent RMS,
-                                                   decoupled weight decay * lr)
+    u <- partition(g):  muon   k3jax.optim.orthogonalize.scale_by_muon (Nesterov momentum,
+                                   Newton-Schulz, consistent RMS), decoupled weight decay, * lr
                         adam   optax.adamw (no Nesterov)
                         frozen set_to_zero
 
+The Muon branch computes what ``optax.contrib.muon`` computes (tested against it) but keeps batch
+axes (stacked layers, experts) as separate dimensions instead of flattening them, so the update
+stays sharded at pod scale; see ``orthogonalize.py`` for why that matters.
+
 Nesterov: Muon keeps the Nesterov momentum of the Moonlight/K2 recipe. The AdamW group is plain
-AdamW (``nesterov=False``), as in Moonlight's and K2's AdamW for non-matrix parameters;
-``optax.contrib.muon`` would apply its single ``nesterov`` flag to its internal Adam branch too
-(NAdam: a step-1 update RMS of ~1.47 lr instead of lr), so the AdamW leaves get their own
-``optax.adamw`` and ``optax.contrib.muon`` only ever sees the Muon leaves.
+AdamW (``nesterov=False``), as in Moonlight's and K2's AdamW for non-matrix parameters
+(``optax.contrib.muon``'s single ``nesterov`` flag would also turn its Adam branch into NAdam, a
+step-1 update RMS of ~1.47 lr instead of lr).
 
 Freezing (``freeze`` groups) is decided from metadata where metadata can tell and from the nnx
 path structure only where it cannot; see ``leaf_groups`` and docs/optimizer.md for the table.
@@ -44,6 +47,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from k3jax.config import FREEZABLE, ConfigError
+from k3jax.optim.orthogonalize import MatrixSpec, scale_by_muon
 from k3jax.optim.schedule import make_schedule
 
 FREEZE_GROUPS = tuple(sorted(FREEZABLE))   # the config validates `freeze` against the same set
@@ -127,6 +131,27 @@ def dimension_number(v: nnx.Variable) -> MuonDimensionNumbers | None:
     if not (0 <= fan_in < nd and 0 <= fan_out < nd and fan_in != fan_out):
         raise ValueError(f"matrix={mat} does not name two distinct axes of a shape {tuple(v.shape)} parameter")
     return MuonDimensionNumbers(reduction_axis=fan_in, output_axis=fan_out)
+
+
+def matrix_spec(v: nnx.Variable) -> MatrixSpec | None:
+    """How ``k3jax.optim.orthogonalize`` treats one Variable: its matrix axes, and the scan-stacked
+    ``layers`` axis (replicated by the sharding rules) to walk one layer at a time."""
+    dn = dimension_number(v)
+    if dn is None:
+        return None
+    axes = tuple(_meta(v, "axes") or ())
+    loop = next((i for i, a in enumerate(axes) if a == "layers" and v.shape[i] > 1), None)
+    return MatrixSpec(fan_in=dn.reduction_axis, fan_out=dn.output_axis, loop_axis=loop)
+
+
+def matrix_specs(state) -> dict[Path, MatrixSpec]:
+    """{path: MatrixSpec} for the Muon-shaped (``matrix`` metadata) params of ``state``."""
+    out = {}
+    for p, v in variables_by_path(state).items():
+        spec = matrix_spec(v)
+        if spec is not None:
+            out[p] = spec
+    return out
 
 
 def dimension_numbers(state):
@@ -244,12 +269,12 @@ def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
         "frozen": optax.set_to_zero(),
     }
     if t.opt_type == "muon":
-        # Only Muon leaves reach this branch (the rest are MaskedNodes), so its built-in Adam branch
-        # stays empty; eps here is the Newton-Schulz normaliser's, not Adam's.
-        transforms["muon"] = optax.contrib.muon(
-            lr, beta=MUON_BETA, weight_decay=t.muon_weight_decay, mu_dtype=mu_dtype, nesterov=True,
-            consistent_rms=t.muon_consistent_rms,
-            muon_weight_dimension_numbers=_by_path(dims, "Muon dimension numbers"))
+        # Only Muon leaves reach this branch (the rest are MaskedNodes of optax.partition).
+        transforms["muon"] = optax.chain(
+            scale_by_muon(_by_path(matrix_specs(state), "Muon matrix specs"), beta=MUON_BETA,
+                          mu_dtype=mu_dtype, nesterov=True, consistent_rms=t.muon_consistent_rms),
+            optax.add_decayed_weights(t.muon_weight_decay),
+            optax.scale_by_learning_rate(lr))
     used = set(labels.values())
     transforms = {k: v for k, v in transforms.items() if k in used}
     parts = []
