@@ -17,6 +17,7 @@ from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
 from k3jax.kernels.kda.pallas_tpu import check_platform, kda_pallas
 from k3jax.kernels.kda.reference import kda_reference
+from k3jax.kernels.kda.sharded import shard_kda
 
 KDA_IMPLS = {
     "reference": kda_reference,
@@ -30,14 +31,18 @@ def get_kda_fn(name: str, *, interpret: bool = False):
 
     `interpret` only concerns "pallas_tpu": True runs its kernels in the Pallas interpreter;
     False requires a TPU target and raises RuntimeError otherwise (never a silent fallback).
+    "pallas_tpu" comes wrapped in `shard_kda` (ambient mesh): GSPMD cannot partition a Mosaic
+    custom call, so on a multi-device mesh each device runs the kernels on its own batch rows
+    and heads. "reference" and "chunked" are plain XLA that GSPMD partitions itself.
     """
     if name not in KDA_IMPLS:
         raise ValueError(f"unknown KDA implementation {name!r}; valid: {sorted(KDA_IMPLS)}")
     if name == "pallas_tpu":
         check_platform(interpret)
-        return functools.partial(kda_pallas, interpret=interpret)
+        return shard_kda(functools.partial(kda_pallas, interpret=interpret))
     return KDA_IMPLS[name]
 
 
 __all__ = ["KDA_IMPLS", "get_kda_fn", "kda_reference", "kda_chunked", "kda_pallas",
-           "kda_decode_step", "short_conv", "short_conv_step", "chunked_flops_per_token"]
+           "kda_decode_step", "short_conv", "short_conv_step", "chunked_flops_per_token",
+           "shard_kda"]
