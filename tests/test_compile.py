@@ -95,3 +95,8 @@ def test_plan_candidates_and_overrides():
     c = PL.with_overrides(cfg, cands[0])
     assert c.mesh.ici_expert_parallelism == 128 and c.train.remat_policy == cands[0]["remat_policy"]
     assert "rank" in PL.table([], 4096)
+    narrow = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-1024", "plan_expert_parallelism=[64, 7]",
+                               "plan_data_parallelism=[1]", "plan_remat_policies=[full]", "plan_batch_sizes=[1]"])
+    assert PL.candidates(narrow, 1024) == [{"ici_expert_parallelism": 64, "ici_data_parallelism": 1,
+                                            "ici_fsdp_parallelism": -1, "remat_policy": "full",
+                                            "per_device_batch_size": 1.0}]   # 7 does not divide 1024

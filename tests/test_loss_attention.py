@@ -86,3 +86,26 @@ def test_latent_decode_attention_equals_expanded_attention():
     s = (jnp.einsum("bhn,bshn->bhs", q_nope, k_nope) + jnp.einsum("bhr,bsr->bhs", q_rope, kr)) * 0.2
     p = jax.nn.softmax(jnp.where(valid[:, None], s, -jnp.inf), -1)
     np.testing.assert_allclose(o_lat, jnp.einsum("bhs,bsr->bhr", p, c), rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_attention_equals_plain_with_gradients():
+    """Query blocks (T not a multiple of the block, documents crossing blocks) == the plain path,
+    outputs, max logit and the gradients of q, k, v."""
+    from k3jax.kernels.attention.reference import blocked_attention
+    q, k, v = _qkv(3, t=37)
+    seg = jnp.array([[1] * 9 + [2] * 20 + [3] * 8, [1] * 37])
+    w = jax.random.normal(jax.random.PRNGKey(7), (2, 37, 3, 5))
+
+    def loss(fn, q, k, v):
+        o, m = fn(q, k, v, seg, scale=0.3)
+        return jnp.sum(o * w), (o, m)
+
+    plain = jax.grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2), has_aux=True)
+    blocked = jax.grad(lambda *a: loss(lambda *b, **kw: blocked_attention(*b, **kw, block=8), *a),
+                       argnums=(0, 1, 2), has_aux=True)
+    (g1, (o1, m1)), (g2, (o2, m2)) = jax.jit(plain)(q, k, v), jax.jit(blocked)(q, k, v)
+    np.testing.assert_allclose(o2, o1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m2, m1, rtol=1e-6)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert get_attention_fn("blocked") is blocked_attention

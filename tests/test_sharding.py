@@ -80,3 +80,20 @@ def test_constrain_places_activations():
     assert y.sharding.spec == P(("data", "fsdp", "expert"), None, None) or \
         y.sharding.is_equivalent_to(S.batch_sharding(mesh, 3), 3)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
+
+
+def test_param_sharding_spreads_weights_over_fsdp_and_expert():
+    """Weights are split over every parameter-sharding axis the rules leave unused (non-expert
+    weights would otherwise be replicated across `expert`); experts, vectors and the stacked
+    `layers` axis keep the rules' layout; indivisible dims are skipped."""
+    mesh = S.make_mesh(cfg("ici_fsdp_parallelism=2", "ici_expert_parallelism=4"))
+    spec = lambda shape, names: S.param_sharding(mesh, shape, names).spec  # noqa: E731
+    assert spec((64, 32), ("embed", "mlp")) == P(("fsdp", "expert"), "tensor")
+    assert spec((8, 64, 32), ("exp", "embed", "mlp")) == P("expert", "fsdp", "tensor")
+    assert spec((3, 64, 32), ("layers", "embed", "heads")) == P(None, ("fsdp", "expert"), "tensor")
+    assert spec((16, 96), ("rank", "heads")) == P(("fsdp", "expert"), "tensor")
+    assert spec((320, 64), ("vocab", "embed")) == P("tensor", ("fsdp", "expert"))
+    assert spec((64,), ("norm",)) == P(None)
+    # fsdp divides 6 on embed but expert does not: expert moves to the next dim it divides.
+    assert spec((6, 32), ("embed", "mlp")) == P("fsdp", ("tensor", "expert"))
+    assert spec((6, 3), ("embed", "mlp")) == P("fsdp", "tensor")      # expert divides nothing

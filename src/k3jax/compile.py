@@ -31,7 +31,7 @@ from k3jax import counts
 from k3jax import model as M
 from k3jax import topology as TP
 from k3jax.layers.common import RouterBias
-from k3jax.sharding import batch_sharding, make_mesh, sharding_for
+from k3jax.sharding import batch_sharding, make_mesh, param_sharding, sharding_for
 
 
 class DoesNotFit(RuntimeError):
@@ -42,7 +42,7 @@ class DoesNotFit(RuntimeError):
 
 def _sds(v, mesh):
     """nnx.Variable holding a ShapeDtypeStruct -> the same Variable with its NamedSharding attached."""
-    return v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding_for(mesh, v.shape, v.axes)))
+    return v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, v.shape, v.axes)))
 
 
 def abstract_model(cfg, mesh):

@@ -136,13 +136,14 @@ class ModelConfig:
 class KernelConfig:
     kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
     kda_chunk_size: int = _f(64, "KDA chunk length")
-    attention_impl: str = _f("jnp", "MLA prefill attention: jnp | tokamax", ("jnp", "tokamax"))
+    attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
+                             "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
     moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
-    loss_chunk_size: int = _f(1024, "tokens per chunk of the memory-light cross-entropy")
+    loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +244,10 @@ class CompileConfig:
     compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
     compile_step: str = _f("both", "compile: train | decode | both", ("train", "decode", "both"))
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
+    plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
+    plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
+    plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
+    plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
 
 
 SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig,

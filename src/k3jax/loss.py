@@ -1,7 +1,8 @@
 """Memory-light cross-entropy over a large vocabulary (K3: 163840).
 
-Logits are produced ``chunk`` tokens at a time inside a rematerialised scan, so neither the forward
-nor the backward ever holds [B*T, V] logits: peak extra memory is [chunk, V] f32.
+Logits are produced ``chunk`` positions of every row at a time inside a rematerialised scan, so
+neither the forward nor the backward ever holds [B, T, V] logits: peak extra memory is
+[B, chunk, V] f32 (per device: its local rows).
 """
 from __future__ import annotations
 
@@ -16,19 +17,22 @@ def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weig
     Loss per token: logsumexp(z) - z[target] (+ z_loss_weight * logsumexp(z)^2), z in f32.
     """
     b, t, d = h.shape
-    n = b * t
-    c = min(chunk, n)
-    pad = (-n) % c
-    hf = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0)))
-    tf = jnp.pad(targets.reshape(n), (0, pad))
-    mf = jnp.pad(mask.reshape(n).astype(jnp.float32), (0, pad))
-    nc = (n + pad) // c
+    # Chunks run along the sequence inside each row, never across rows: the batch axis is the
+    # one sharded over data/fsdp/expert, and a scan over a flattened B*T axis would slice the
+    # sharded dimension, which GSPMD can only do by gathering every row of the global batch onto
+    # every device (the K3 compile held bf16[T, global B, D] = 56 GB per device that way).
+    c = min(chunk, t)
+    pad = (-t) % c
+    nc = (t + pad) // c
+    hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)    # [nc, B, c, D]
+    tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
 
     @jax.checkpoint
     def one(hc, tc, mc):
-        z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
+        z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(z, axis=-1)
-        tgt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
+        tgt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
         loss = lse - tgt + z_loss_weight * lse ** 2
         correct = (jnp.argmax(z, axis=-1) == tc).astype(jnp.float32)
         return jnp.sum(loss * mc), jnp.sum(correct * mc)
@@ -39,5 +43,5 @@ def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weig
 
     (loss, correct), _ = jax.lax.scan(
         body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
-        (hf.reshape(nc, c, d), tf.reshape(nc, c), mf.reshape(nc, c)))
+        (hf, tf, mf))
     return loss, jnp.sum(mf), correct

@@ -3,8 +3,9 @@
     python -m k3jax.plan configs/base.yml model_name=kimi-k3 topology=tpu7x-1024 max_target_length=4096
 
 Candidates are (expert parallelism, data parallelism, remat policy, per-device batch) with fsdp
-filling the remaining devices of the slice; expert parallelism takes the three largest common
-divisors of num_experts and the device count (experts dominate K3's memory). Every candidate's train step is
+filling the remaining devices of the slice, from the plan_* keys; expert parallelism defaults to
+the three largest common divisors of num_experts and the device count (experts dominate K3's
+memory). Every candidate's train step is
 compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table
 is ranked by the roofline estimate of tokens/s/chip (model FLOPs and XLA bytes at the chip's peak,
 see k3jax.compile.train_estimate). A candidate the compiler rejects is listed with its reason.
@@ -19,24 +20,25 @@ from k3jax import config as C
 from k3jax import topology as TP
 from k3jax.sharding import make_mesh
 
-REMATS = ("full", "save_mixer_out")
-BATCHES = (1.0, 2.0)
-
-
 def candidates(cfg, num_devices: int) -> list[dict]:
-    """Mesh/remat/batch combinations to try, most expert-parallel first (experts dominate memory)."""
-    m = cfg.model
-    eps = [e for e in range(1, num_devices + 1) if num_devices % e == 0 and m.num_experts % e == 0]
-    eps = sorted(eps, reverse=True)[:3]
+    """Mesh/remat/batch combinations to try (plan_* keys), most expert-parallel first (experts
+    dominate memory); expert sizes that do not divide both num_experts and the device count, and
+    data sizes that do not divide what is left, are skipped."""
+    m, c = cfg.model, cfg.compile
+    eps = list(c.plan_expert_parallelism) or sorted(
+        (e for e in range(1, num_devices + 1) if num_devices % e == 0 and m.num_experts % e == 0),
+        reverse=True)[:3]
     out = []
-    for ep in eps:
-        for dp in (1, 2):
-            if (num_devices // ep) % dp:
+    for ep in sorted({int(e) for e in eps}, reverse=True):
+        if num_devices % ep or m.num_experts % ep:
+            continue
+        for dp in c.plan_data_parallelism:
+            if (num_devices // ep) % int(dp):
                 continue
-            for remat in REMATS:
-                for pdb in BATCHES:
-                    out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": dp, "ici_fsdp_parallelism": -1,
-                                "remat_policy": remat, "per_device_batch_size": pdb})
+            for remat in c.plan_remat_policies:
+                for pdb in c.plan_batch_sizes:
+                    out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": int(dp), "ici_fsdp_parallelism": -1,
+                                "remat_policy": str(remat), "per_device_batch_size": float(pdb)})
     return out
 
 

@@ -86,6 +86,46 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
     return NamedSharding(mesh, _fits(shape, logical_to_spec(names), mesh))
 
 
+# Mesh axes that hold distinct parameter shards (ZeRO-3 style). Weights are all-gathered for
+# compute whatever their layout (activations are batch-sharded over every axis but tensor), so a
+# weight should be split over all of these, not only the one its logical rule names.
+PARAM_SHARD_AXES = ("fsdp", "expert")
+
+
+def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+    """NamedSharding for a parameter: ``sharding_for``, then every parameter-sharding mesh axis
+    (PARAM_SHARD_AXES) the logical rules left unused is added to a dimension it divides.
+
+    Why: the rules shard a projection's ``embed`` axis over ``fsdp`` only, so with expert
+    parallelism every non-expert weight (K3: ~50B parameters: KDA/MLA projections, shared experts,
+    latent projections, router, embeddings) would be replicated across the ``expert`` axis (16-way
+    instead of 1024-way sharded on fsdp=16 x expert=64: ~20 GB per device more for weights,
+    momentum and gradients), and ``("rank", "heads")`` matrices such as MLA's q_b/kv_b projections
+    across both axes. Routed-expert weights already use both axes and are unchanged.
+
+    Placement: a dimension already split over a parameter-sharding axis first (it extends the
+    fsdp split, keeping the all-gather pattern of that weight), then the others in order; the
+    scan-stacked ``layers`` axis never (the scan slices it). Vectors are left as the rules say.
+    """
+    spec = [(() if a is None else (a,) if isinstance(a, str) else tuple(a))
+            for a in tuple(_fits(shape, logical_to_spec(names), mesh)) + (None,) * (len(shape) - len(names))]
+    dims = [i for i, n in enumerate(names) if n != "layers"]
+    if len(dims) >= 2:
+        used = {a for axes in spec for a in axes}
+        for ax in PARAM_SHARD_AXES:
+            if ax in used or mesh.shape.get(ax, 1) == 1:
+                continue
+            order = ([i for i in dims if set(spec[i]) & set(PARAM_SHARD_AXES)] +
+                     [i for i in dims if not set(spec[i]) & set(PARAM_SHARD_AXES)])
+            for i in order:
+                if shape[i] % (math.prod(mesh.shape[a] for a in spec[i]) * mesh.shape[ax]) == 0:
+                    spec[i] += (ax,)
+                    used.add(ax)
+                    break
+    entries = [None if not a else a[0] if len(a) == 1 else a for a in spec]
+    return NamedSharding(mesh, P(*entries))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical names; a no-op outside a mesh context."""
     mesh = jax.sharding.get_abstract_mesh()

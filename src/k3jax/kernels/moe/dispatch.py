@@ -87,10 +87,14 @@ def expert_ffn_grouped(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_do
     Returns:
       [M, D] in xs.dtype.
     """
-    gmm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl, interpret=interpret,
-                                      preferred_element_type=jnp.float32, tiling=tiling)
-    h = act(gmm(xs, w_gate), gmm(xs, w_up)).astype(xs.dtype)             # [M, F]
-    return gmm(h, w_down).astype(xs.dtype)                                # [M, D]
+    gmm = lambda a, w, dt: grouped_matmul(a, w, group_sizes, impl=impl, interpret=interpret,  # noqa: E731
+                                          preferred_element_type=dt, tiling=tiling)
+    # Gate/up leave the matmul in the activation dtype (f32 accumulation inside it); the gating
+    # math runs in f32. They are the backward's residuals, so this halves the largest per-layer
+    # buffers at bf16 (K3: [E_local, ep*C, F] per matrix) at the cost of one bf16 rounding.
+    g, u = gmm(xs, w_gate, xs.dtype), gmm(xs, w_up, xs.dtype)
+    h = act(g.astype(jnp.float32), u.astype(jnp.float32)).astype(xs.dtype)  # [M, F]
+    return gmm(h, w_down, jnp.float32).astype(xs.dtype)                   # [M, D]
 
 
 def expert_ffn_batched(buf: jax.Array, w_gate, w_up, w_down, act: Act) -> jax.Array:
@@ -103,9 +107,11 @@ def expert_ffn_batched(buf: jax.Array, w_gate, w_up, w_down, act: Act) -> jax.Ar
       [E, C, D] in buf.dtype.
     """
     f32 = jnp.float32
-    g = jnp.einsum("ecd,edf->ecf", buf, w_gate, preferred_element_type=f32)
-    u = jnp.einsum("ecd,edf->ecf", buf, w_up, preferred_element_type=f32)
-    h = act(g, u).astype(buf.dtype)
+    # Gate/up in buf.dtype (f32 accumulation inside the matmul), gating in f32: see
+    # expert_ffn_grouped.
+    g = jnp.einsum("ecd,edf->ecf", buf, w_gate, preferred_element_type=buf.dtype)
+    u = jnp.einsum("ecd,edf->ecf", buf, w_up, preferred_element_type=buf.dtype)
+    h = act(g.astype(f32), u.astype(f32)).astype(buf.dtype)
     return jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=f32).astype(buf.dtype)
 
 
