@@ -74,6 +74,11 @@ def test_metrics_checkpoint_and_decode(tmp_path):
               f"load_parameters_path={tmp_path}/r/checkpoints/4", "prompt=I love to", "max_new_tokens=5")
     assert "decode" in out.stdout and "tokens/s" in out.stdout
     assert "RANDOM" not in out.stderr
+    # Streaming (incremental UTF-8 over token bytes) prints the same greedy text as the batch path.
+    batch = run("decode", *TINY, f"base_output_directory={tmp_path}", "stream=false",
+                f"load_parameters_path={tmp_path}/r/checkpoints/4", "prompt=I love to", "max_new_tokens=5")
+    assert batch.stdout.rsplit("\nprefill ", 1)[0] == "I love to" + out.stdout.rsplit("\nprefill ", 1)[0], \
+        (batch.stdout, out.stdout)
 
 
 @pytest.mark.parametrize("args,fragment", [

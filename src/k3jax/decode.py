@@ -9,6 +9,7 @@ streamed to the host with an ordered debug callback.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import sys
 import time
@@ -156,15 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{budget}; shorten the prompt or raise max_target_length")
         mesh = make_mesh(cfg)
         model = load_model(cfg, mesh)
-        printed = []
+        # Tokens are byte sequences and a character may span tokens: an incremental UTF-8
+        # decoder prints each character once it is complete (linear in the output length).
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
         def stream(i, toks):
             if d.stream:
                 t = int(np.asarray(toks)[0])
                 if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
-                    piece = tok.decode(printed + [t])[len(tok.decode(printed)):]
-                    printed.append(t)
-                    print(piece, end="", flush=True)
+                    print(utf8.decode(tok.decode_bytes([t])), end="", flush=True)
 
         with jax.set_mesh(mesh):
             out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if not d.stream:
         print(d.prompt + tok.decode(new))
     else:
-        print()
+        print(utf8.decode(b"", final=True))
     print(f"prefill {timing['prefill_tokens_per_s']:.1f} tokens/s, decode {timing['decode_tokens_per_s']:.1f} "
           f"tokens/s ({timing['new_tokens']} new tokens)")
     return 0
