@@ -23,7 +23,6 @@ Results: stdout table and benchmarks/results/train_step.json (--out to change).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 from common import cpu_only, machine, median_time, print_table, result_path, write_json

@@ -2,7 +2,6 @@
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

@@ -7,10 +7,6 @@ subprocess so the TPU compiler stays out of the test process). Numerics under Mo
 precision need a TPU and are not covered here.
 """
 import functools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tpu_aot import run_aot_script
 from test_kda_chunked import BF16_TOL, F32_TOL, assert_close, make_inputs, run, run_reference
 
 from k3jax.kernels.kda import KDA_IMPLS, get_kda_fn, kda_pallas
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PALLAS = functools.partial(kda_pallas, interpret=True)
 
@@ -99,12 +95,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_pallas_lowers_and_compiles_for_tpu():
     """Forward and backward kernels (interpret=False) compile for TPU v5p and v6e ahead of time."""
-    pytest.importorskip("libtpu")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.path.join(REPO, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_aot_script(_AOT_SCRIPT)
     assert proc.returncode == 0 and len(rows) == 4, proc.stderr[-4000:]
     for row in rows:
         # forward: one walk kernel; backward: the replayed forward walk plus the reverse walk.

@@ -7,10 +7,6 @@ give exact gradients. For TPU, the mapped forward and backward must compile ahea
 4-device v5p mesh, where the bare kernel fails with GSPMD's "cannot be automatically partitioned".
 """
 import functools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,13 +14,13 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from tpu_aot import run_aot_script
 from test_kda_chunked import F32_TOL, assert_close, make_inputs, run_reference
 
 from k3jax import sharding
 from k3jax.kernels.kda import get_kda_fn, kda_chunked, kda_pallas, shard_kda
 from k3jax.kernels.kda.sharded import BATCH_AXES, HEAD_AXIS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXES = ("data", "fsdp", "expert", "tensor")
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -172,12 +168,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_mapped_pallas_compiles_for_multi_device_tpu():
     """Forward + backward on a 4-device v5p mesh (data=2, tensor=2) with sharded inputs."""
-    pytest.importorskip("libtpu")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.path.join(REPO, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = run_aot_script(_AOT_SCRIPT)
     assert proc.returncode == 0 and len(rows) == 6, proc.stderr[-4000:]
     for r in rows[:4]:
         assert "error" not in r, r

@@ -13,7 +13,6 @@ from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
 from k3jax import sharding as S
-from k3jax.layers.common import RouterBias
 
 # A Kimi-Linear-shaped tiny config: every switch flipped relative to the tiny K3.
 KIMI_LINEAR_TINY = ["model_name=tiny", "attn_res=false", "kda_gate=softplus", "kda_output_gate=low_rank",
@@ -76,7 +75,7 @@ def test_packed_documents_equal_separate_runs(tiny):
 
 
 def test_prefill_then_decode_equals_full_forward(tiny):
-    from k3jax.decode import generate, left_pad, prefill
+    from k3jax.decode import left_pad, prefill
     _, cfg, model = tiny
     rng = np.random.default_rng(3)
     n, m = 9, 6

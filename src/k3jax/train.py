@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

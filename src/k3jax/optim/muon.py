@@ -262,7 +262,6 @@ def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
     lr = make_schedule(t)
     mu_dtype = _mu_dtype(t.mu_dtype)
     labels = param_labels(state, t)
-    dims = {p: dimension_number(v) for p, v in variables_by_path(state).items()}
     transforms = {
         "adam": optax.adamw(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps, mu_dtype=mu_dtype,
                             weight_decay=t.adam_weight_decay, nesterov=False),
