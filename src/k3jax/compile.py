@@ -239,9 +239,10 @@ def run(cfg, out=print) -> dict:
         out(f"train FLOPs per device: XLA cost analysis {cost['flops']:.3e} (loop bodies once), analytic model "
             f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "
             f"with remat {est['executed_flops_per_device']:.3e}; XLA bytes accessed {cost['bytes']:.3e}")
-        out(f"train estimate at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s per "
-            f"device): step {est['step_s']:.3f}s (compute {est['t_compute']:.3f}s, memory {est['t_memory']:.3f}s), "
-            f"MFU {100 * est['mfu']:.1f}%, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+        out(f"train roofline bound at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
+            f"per device; collectives not modelled): step >= {est['step_s']:.3f}s (compute {est['t_compute']:.3f}s, "
+            f"memory {est['t_memory']:.3f}s), MFU <= {100 * est['mfu']:.1f}%, "
+            f"<= {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
     if cfg.compile.compile_step in ("decode", "both"):
         compiled, secs, gb = compile_decode(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)

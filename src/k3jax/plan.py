@@ -86,6 +86,9 @@ def table(rows: list[dict], seq: int) -> str:
         lines.append(f"{i:>4}  {r['mesh']:<44} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
                      f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
                      f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
+    if ok:
+        lines.append("step s, MFU% and tok/s/chip are roofline bounds (compute at peak, XLA's HBM bytes); "
+                     "collectives are not modelled")
     rejected = [r for r in rows if r not in ok]
     if rejected:
         lines.append(f"not fitting or not compiling (sequence length {seq}):")
