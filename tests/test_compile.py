@@ -100,3 +100,15 @@ def test_plan_candidates_and_overrides():
     assert PL.candidates(narrow, 1024) == [{"ici_expert_parallelism": 64, "ici_data_parallelism": 1,
                                             "ici_fsdp_parallelism": -1, "remat_policy": "full",
                                             "per_device_batch_size": 1.0}]   # 7 does not divide 1024
+
+
+def test_plan_table_ranks_equal_bounds_by_memory():
+    from k3jax import plan as PL
+    est = {"step_s": 7.6, "mfu": 0.75, "tokens_per_s_per_chip": 539.0}
+    row = lambda ep, gib: {"ici_expert_parallelism": ep, "ici_data_parallelism": 1, "remat_policy": "full",  # noqa: E731
+                           "per_device_batch_size": 1.0, "mesh": f"fsdp={1024 // ep} x expert={ep}", "global_batch": 1024,
+                           "estimate": est, "memory": {"total": gib * 2 ** 30, "hbm": 95 * 2 ** 30, "fits": True}}
+    lines = PL.table([row(64, 88.5), row(128, 85.7), {**row(32, 120.0), "memory": {
+        "total": 120 * 2 ** 30, "hbm": 95 * 2 ** 30, "fits": False}}], 4096).splitlines()
+    assert "expert=128" in lines[2] and "expert=64" in lines[3]
+    assert "roofline bounds" in lines[4] and "needs 120.0 GiB" in lines[-1]

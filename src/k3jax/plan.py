@@ -75,9 +75,12 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
 
 
 def table(rows: list[dict], seq: int) -> str:
-    """Ranked table of fitting rows (best tokens/s/chip first), then the rejected ones."""
+    """Ranked table of fitting rows (best tokens/s/chip bound first, then least memory), then the
+    rejected ones."""
+    # Best bound first; equal bounds (the same batch and remat on another mesh: collectives are not
+    # modelled) rank by memory, the candidate with more headroom first.
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
-                key=lambda r: -r["estimate"]["tokens_per_s_per_chip"])
+                key=lambda r: (-round(r["estimate"]["tokens_per_s_per_chip"], 6), r["memory"]["total"]))
     head = (f"{'rank':>4}  {'mesh':<44} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
             f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
     lines = [head, "-" * len(head)]
