@@ -19,6 +19,7 @@ loop the XLA figure undercounts; the analytic figure is the one used for MFU (do
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 
@@ -164,14 +165,71 @@ def cost_report(compiled) -> dict:
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
 
 
-def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip) -> dict:
-    """Lower-bound step time: the slower of compute at peak and HBM traffic at full bandwidth."""
+def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip, ici_bytes: float = 0.0) -> dict:
+    """Lower-bound step time: the slowest of compute at peak, HBM traffic at full bandwidth and
+    (when given) the analytic collective traffic at the chip's ICI bandwidth, all overlapped."""
     t_compute = flops_per_device / chip.peak_flops
     t_memory = bytes_per_device / chip.hbm_bandwidth
-    return {"t_compute": t_compute, "t_memory": t_memory, "step_s": max(t_compute, t_memory)}
+    t_ici = ici_bytes / chip.ici_bandwidth if ici_bytes and chip.ici_bandwidth else 0.0
+    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici,
+            "step_s": max(t_compute, t_memory, t_ici)}
 
 
-def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict) -> dict:
+def _mesh_axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
+    """ICI bytes one device receives per step for the weights ``leaves`` =
+    [(shape, itemsize, PartitionSpec, logical axes)].
+
+    Activations are batch-sharded over data/fsdp/expert, so each weight is all-gathered for its
+    matmuls over every mesh axis it is split on except ``tensor`` (tensor-parallel matmuls keep
+    their shard) and, for routed-expert weights (an ``exp`` axis), ``expert`` (each device runs its
+    own experts). A ring all-gather over G devices receives (G - 1) shards; ``passes`` gathers per
+    step (forward, backward, and remat's recomputed forward). The gradient leaves by a
+    reduce-scatter over the same group (G - 1 shards) and an all-reduce over ``data`` when the
+    weight is not split on it (2 (D - 1) / D shards).
+    """
+    gather = reduce = 0.0
+    for shape, itemsize, spec, axes in leaves:
+        split = [a for e in spec for a in _mesh_axes(e)]
+        shard = math.prod(shape) * itemsize / math.prod(mesh_shape[a] for a in split)
+        keep = {"tensor"} | ({"expert"} if "exp" in axes else set())
+        g = math.prod(mesh_shape[a] for a in split if a not in keep)
+        gather += passes * (g - 1) * shard
+        reduce += (g - 1) * shard
+        d = mesh_shape.get("data", 1)
+        if d > 1 and "data" not in split:
+            reduce += 2 * (d - 1) / d * shard
+    return {"weight_gather": gather, "grad_reduce": reduce}
+
+
+def collective_bytes(cfg, params, mesh) -> dict:
+    """Analytic ICI bytes one device receives per train step: weight all-gathers and gradient
+    reduce-scatters (``weight_collective_bytes``) plus the MoE all-to-alls (dispatch and combine
+    of tokens x top-k rows of the routed width, x capacity_factor in capacity mode, (ep - 1) / ep of
+    them crossing devices, in every pass). A lower bound: ring algorithms at full link use, no
+    DCN, no latency; XLA may also gather a weight once for several uses or re-gather it."""
+    m, t, k = cfg.model, cfg.train, cfg.kernel
+    passes = 2 if t.remat_policy == "none" else 3
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves = [(v.shape, jnp.dtype(v.dtype).itemsize, jax.tree.leaves(v)[0].sharding.spec, tuple(v.axes))
+              for v in jax.tree.leaves(params, is_leaf=is_var)]
+    out = weight_collective_bytes(leaves, dict(mesh.shape), passes)
+    ep = mesh.shape.get("expert", 1)
+    moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
+    width = m.moe_latent_size or m.hidden_size
+    rows = t.per_device_batch_size * t.max_target_length * m.num_experts_per_token
+    if k.moe_mode == "capacity":
+        rows *= k.capacity_factor
+    act = jnp.dtype(cfg.train.dtype).itemsize
+    out["expert_all_to_all"] = 2 * passes * moe_layers * rows * width * act * (ep - 1) / ep
+    out["total"] = sum(out.values())
+    return out
+
+
+def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0) -> dict:
     """Analytic model FLOPs (6N-style, for MFU) and the roofline step time / MFU / tokens/s/chip.
 
     Compute time uses the executed FLOPs: model FLOPs x remat factor (full remat re-runs the forward:
@@ -184,7 +242,7 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict) -> dict:
     model_flops = per_tok * tokens / n_dev
     remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
     executed = max(model_flops * remat, cost["flops"])
-    r = roofline(executed, cost["bytes"], chip)
+    r = roofline(executed, cost["bytes"], chip, ici_bytes)
     r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
               "executed_flops_per_device": executed,
               "mfu": model_flops / r["step_s"] / chip.peak_flops if r["step_s"] else 0.0})
@@ -232,17 +290,21 @@ def run(cfg, out=print) -> dict:
     if cfg.compile.compile_step in ("train", "both"):
         compiled, secs, gb = compile_train(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
-        est = train_estimate(cfg, gb, n, chip, cost)
-        reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "compile_s": secs, "global_batch": gb}
+        comm = collective_bytes(cfg, abstract_model(cfg, mesh)[1], mesh)
+        est = train_estimate(cfg, gb, n, chip, cost, comm["total"])
+        reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "collectives": comm, "compile_s": secs,
+                            "global_batch": gb}
         out(f"train step: global batch {gb} x {cfg.train.max_target_length} tokens, compiled in {secs:.1f}s")
         out(format_memory("train", mem))
         out(f"train FLOPs per device: XLA cost analysis {cost['flops']:.3e} (loop bodies once), analytic model "
             f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "
             f"with remat {est['executed_flops_per_device']:.3e}; XLA bytes accessed {cost['bytes']:.3e}")
+        out(f"train collectives per device (analytic, lower bound): weight all-gathers {comm['weight_gather']:.3e} B, "
+            f"gradient reductions {comm['grad_reduce']:.3e} B, expert all-to-alls {comm['expert_all_to_all']:.3e} B")
         out(f"train roofline bound at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
-            f"per device; collectives not modelled): step >= {est['step_s']:.3f}s (compute {est['t_compute']:.3f}s, "
-            f"memory {est['t_memory']:.3f}s), MFU <= {100 * est['mfu']:.1f}%, "
-            f"<= {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+            f"HBM, {chip.ici_bandwidth / 1e9:.0f} GB/s ICI per device, all overlapped): step >= {est['step_s']:.3f}s "
+            f"(compute {est['t_compute']:.3f}s, memory {est['t_memory']:.3f}s, collectives {est['t_ici']:.3f}s), "
+            f"MFU <= {100 * est['mfu']:.1f}%, <= {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
     if cfg.compile.compile_step in ("decode", "both"):
         compiled, secs, gb = compile_decode(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)

@@ -69,16 +69,17 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
         row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return row
     mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
-    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost),
-               global_batch=gb, compile_s=secs)
+    comm = K.collective_bytes(c, K.abstract_model(c, mesh)[1], mesh)
+    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm["total"]),
+               collectives=comm, global_batch=gb, compile_s=secs)
     return row
 
 
 def table(rows: list[dict], seq: int) -> str:
     """Ranked table of fitting rows (best tokens/s/chip bound first, then least memory), then the
     rejected ones."""
-    # Best bound first; equal bounds (the same batch and remat on another mesh: collectives are not
-    # modelled) rank by memory, the candidate with more headroom first.
+    # Best bound first; equal bounds (compute-bound candidates with the same batch and remat) rank
+    # by memory, the candidate with more headroom first.
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
                 key=lambda r: (-round(r["estimate"]["tokens_per_s_per_chip"], 6), r["memory"]["total"]))
     head = (f"{'rank':>4}  {'mesh':<44} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
@@ -90,8 +91,8 @@ def table(rows: list[dict], seq: int) -> str:
                      f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
                      f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
     if ok:
-        lines.append("step s, MFU% and tok/s/chip are roofline bounds (compute at peak, XLA's HBM bytes); "
-                     "collectives are not modelled")
+        lines.append("step s, MFU% and tok/s/chip are roofline bounds: the slowest of compute at peak, XLA's HBM "
+                     "bytes and the analytic collective bytes at ICI bandwidth, fully overlapped")
     rejected = [r for r in rows if r not in ok]
     if rejected:
         lines.append(f"not fitting or not compiling (sequence length {seq}):")

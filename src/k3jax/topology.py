@@ -35,6 +35,7 @@ class Chip:
     devices_per_chip: int
     cores_per_chip: int           # TensorCores counted by the accelerator-type suffix
     dims: int                     # 3 = 3D torus slices (v5p, TPU7x); 2 = 2D (v5e, v6e)
+    ici_gbps_per_chip: float = 0.0  # ICI bandwidth into one chip, one direction, GB/s
 
     @property
     def hbm_bytes(self) -> float:
@@ -47,6 +48,11 @@ class Chip:
         return self.peak_tflops_per_chip * 1e12 / self.devices_per_chip
 
     @property
+    def ici_bandwidth(self) -> float:
+        """ICI bytes/s into one JAX device (its share of the chip's links, one direction)."""
+        return self.ici_gbps_per_chip * 1e9 / self.devices_per_chip
+
+    @property
     def hbm_bandwidth(self) -> float:
         """HBM bytes/s of one JAX device."""
         return self.hbm_gbps_per_chip * 1e9 / self.devices_per_chip
@@ -54,10 +60,12 @@ class Chip:
 
 GiB = 1024 ** 3
 CHIPS = {
-    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3),
-    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3),
-    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2),
-    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2),
+    # ICI: half the bidirectional per-chip figure (v5p: 1200 GB/s on the Cloud TPU page = its
+    # 4800 Gbps; TPU7x: 1.2 TB/s bidirectional as announced; v6e 3584 Gbps; v5e 1600 Gbps).
+    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0),
+    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0),
+    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0),
+    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0),
 }
 
 
