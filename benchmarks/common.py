@@ -34,6 +34,18 @@ def cpu_only() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def evict_from_page_cache(path: str) -> None:
+    """Flush and drop the files directly in ``path`` from the page cache, so a benchmark that reads
+    them next measures the disk, not RAM (Linux; files we wrote ourselves)."""
+    for file in os.listdir(path):
+        fd = os.open(os.path.join(path, file), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def result_path(name: str) -> str:
     return os.path.join(RESULTS_DIR, f"{name}.json")
 

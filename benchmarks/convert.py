@@ -29,6 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "src"))
 
+from common import evict_from_page_cache  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 MB = 2**20
 K3_QC = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
@@ -97,16 +99,6 @@ def write_input(path: str, cfg) -> int:
     return w.total_size
 
 
-def evict(path: str) -> None:
-    for file in os.listdir(path):
-        fd = os.open(os.path.join(path, file), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
@@ -116,7 +108,7 @@ def run_point(layers: int, experts: int, workdir: str) -> dict:
     shutil.rmtree(hf, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     size = write_input(hf, model_config(layers, experts))
-    evict(hf)
+    evict_from_page_cache(hf)
     code = CHILD.format(repo=REPO, src=os.path.join(REPO, "src"), hf=hf, out=out)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

@@ -32,6 +32,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script from anywhere: make `conversion` importable
 
+from common import evict_from_page_cache  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from conversion import safetensors_io as sio  # noqa: E402
 
 MB = 2**20
@@ -68,17 +69,6 @@ def _write_input(path: str, size_bytes: int, max_shard_bytes: int) -> None:
             w.add(name, arr)
     with open(os.path.join(path, sio.CONFIG_NAME), "w") as f:
         json.dump({"text_config": {"quantization_config": K3_QC}}, f)
-
-
-def _evict_from_page_cache(path: str) -> None:
-    """Flush and drop our own files from the page cache so the read is not served from RAM."""
-    for file in os.listdir(path):
-        fd = os.open(os.path.join(path, file), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _peak_rss_bytes() -> int:
@@ -144,7 +134,7 @@ def run_size(size_gb: float, max_shard_mb: int, workdir: str | None) -> dict:
         t = time.perf_counter()
         _write_input(src, int(size_gb * 2**30), max_shard_mb * MB)
         gen_s = time.perf_counter() - t
-        _evict_from_page_cache(src)
+        evict_from_page_cache(src)
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_child", src, dst, str(max_shard_mb)],
             check=True, capture_output=True, text=True)
