@@ -107,12 +107,12 @@ def test_k3_parameters_are_split_over_every_device_of_a_pod_mesh():
     (only vectors are, a few MB). Before param_sharding, non-expert weights were split 16-way."""
     from flax import nnx
     from jax.sharding import AbstractMesh, AxisType
-    from k3jax import model as M
+    from k3jax.state import abstract_state
     k3 = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=kimi-k3"])
     mesh = AbstractMesh((1, 16, 64, 1), S.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
-    _, state = M.abstract(k3)
+    _, state, _ = abstract_state(k3)
     total = per_device = 0
-    for v in jax.tree.leaves(nnx.filter_state(state, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    for v in jax.tree.leaves(state["params"], is_leaf=lambda x: isinstance(x, nnx.Variable)):
         spec = S.param_sharding(mesh, v.shape, v.axes).spec
         shards = math.prod(mesh.shape[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e))
         n = math.prod(v.shape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -44,10 +45,10 @@ class ModelConfig:
     rms_norm_eps: float = _f(1e-5, "eps of input/post-attention/final/AttnRes/o_norm/latent norms")
     initializer_range: float = _f(0.02, "std of normal init for embeddings and matrices")
     tie_word_embeddings: bool = _f(False, "share embedding and lm_head")
-    max_position_embeddings: int = _f(4096, "longest supported position (RoPE tables, cache sizing)")
-    bos_token_id: int = _f(-1, "[BOS] id; -1 = from the tokenizer")
-    eos_token_id: int = _f(-1, "[EOS] id; -1 = from the tokenizer")
-    pad_token_id: int = _f(-1, "padding id (embedding row zeroed at init); -1 = none")
+    max_position_embeddings: int = _f(4096, "context length recorded for export (HF config.json); decode sizes its cache from the prompt")
+    bos_token_id: int = _f(-1, "[BOS] id written to an exported HF config; k3jax reads special ids from the tokenizer (-1 = none)")
+    eos_token_id: int = _f(-1, "[EOS] id written to an exported HF config (-1 = none)")
+    pad_token_id: int = _f(-1, "padding id written to an exported HF config (-1 = none)")
     # Layer schedule: MLA where l % mla_every == mla_every - 1, plus mla_extra_layers; KDA elsewhere.
     mla_every: int = _f(4, "MLA period: layer l is MLA when l % mla_every == mla_every-1 (1 = all MLA, 0 = only mla_extra_layers)")
     mla_extra_layers: list = _f([12], "further 0-based MLA layers (K3: [92]; Kimi Linear 48B: [26])")
@@ -203,6 +204,12 @@ class CheckpointConfig:
     max_checkpoints_to_keep: int = _f(3, "keep the last K checkpoints")
     async_checkpointing: bool = _f(True, "save in the background")
     load_parameters_path: Optional[str] = _f(None, "start from these parameters (a checkpoint step dir, a run dir or a converter output)")
+    allow_missing_router_biases: bool = _f(False, "accept a load_parameters_path without router biases (its 'extra' item) and start them at zero")
+
+
+# The device mesh's axes, in mesh order; MeshConfig has an ici_/dcn_<axis>_parallelism key for each.
+# k3jax.sharding maps the logical axis names of arrays onto them.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +429,19 @@ def load(base: str | Path = REPO_CONFIGS / "base.yml", overrides: list[str] | di
     return cfg
 
 
+def override(cfg: Config, values: dict[str, Any]) -> Config:
+    """``cfg`` with ``values`` ({key: value}; typed values or command-line strings) replaced and the
+    result validated, as if they had been given on the command line (``model_name`` excepted)."""
+    sections: dict[str, dict] = {}
+    for key, val in values.items():
+        if key not in KEYS:
+            raise _unknown(key, "override")
+        sections.setdefault(KEYS[key][0], {})[key] = coerce(key, val)
+    out = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in sections.items()})
+    validate(out)
+    return out
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Consistency checks that need no devices; ``num_devices`` adds the mesh checks."""
     m, t, k = cfg.model, cfg.train, cfg.kernel
@@ -459,8 +479,47 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
     if num_devices is not None:
-        from k3jax.sharding import mesh_shape  # validates products and divisibility
         mesh_shape(cfg, num_devices)
+
+
+def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
+    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
+    m = cfg.mesh
+    ici = {a: getattr(m, f"ici_{a}_parallelism") for a in MESH_AXES}
+    dcn = {a: getattr(m, f"dcn_{a}_parallelism") for a in MESH_AXES}
+    for where, sizes in (("ici", ici), ("dcn", dcn)):
+        for a, s in sizes.items():
+            if s == 0 or s < -1 or (where == "dcn" and s < 1):
+                raise ConfigError(f"{where}_{a}_parallelism={s}: must be a positive size" +
+                                  (" or -1 (fill)" if where == "ici" else ""))
+    dcn_prod = math.prod(dcn.values())
+    if dcn_prod != num_slices:
+        raise ConfigError(f"dcn parallelism product {dcn_prod} != number of slices {num_slices}")
+    per_slice, rem = divmod(num_devices, num_slices)
+    if rem:
+        raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
+    fills = [a for a, s in ici.items() if s == -1]
+    if len(fills) > 1:
+        raise ConfigError(f"only one ici_*_parallelism may be -1, got {', '.join(fills)}")
+    known = math.prod(s for s in ici.values() if s != -1)
+    if fills:
+        if per_slice % known:
+            raise ConfigError(f"ici parallelism {known} (without the -1 axis) does not divide the "
+                              f"{per_slice} devices per slice")
+        ici[fills[0]] = per_slice // known
+    if math.prod(ici.values()) != per_slice:
+        desc = " x ".join(f"{a}={s}" for a, s in ici.items())
+        raise ConfigError(f"mesh {desc} = {math.prod(ici.values())} devices, but {per_slice} are "
+                          f"available per slice; set one ici_*_parallelism=-1 or fix the sizes")
+    mc = cfg.model
+    ep = ici["expert"] * dcn["expert"]
+    if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
+        raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep}")
+    tp = ici["tensor"] * dcn["tensor"]
+    for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
+        if heads % tp:
+            raise ConfigError(f"{name}={heads} is not divisible by tensor parallelism {tp}")
+    return ici, dcn
 
 
 FREEZABLE = frozenset({"embed", "attention", "kda", "mla", "moe", "experts", "router", "norms", "lm_head", "attn_res"})

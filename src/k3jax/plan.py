@@ -12,13 +12,13 @@ see k3jax.compile.train_estimate). A candidate the compiler rejects is listed wi
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from k3jax import compile as K
 from k3jax import config as C
 from k3jax import topology as TP
 from k3jax.sharding import make_mesh
+from k3jax.state import abstract_state
 
 def candidates(cfg, num_devices: int) -> list[dict]:
     """Mesh/remat/batch combinations to try (plan_* keys), most expert-parallel first (experts
@@ -42,22 +42,11 @@ def candidates(cfg, num_devices: int) -> list[dict]:
     return out
 
 
-def with_overrides(cfg, cand: dict):
-    """cfg with a candidate's mesh/train keys replaced (section by section, validated)."""
-    sections = {}
-    for key, val in cand.items():
-        sec = C.KEYS[key][0]
-        sections.setdefault(sec, {})[key] = C.coerce(key, val)
-    out = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in sections.items()})
-    C.validate(out)
-    return out
-
-
 def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
     """Compile one candidate; -> row with memory, estimate, or the compiler's refusal."""
     row = dict(cand)
     try:
-        c = with_overrides(cfg, cand)
+        c = C.override(cfg, cand)
         C.validate(c, num_devices=len(devices))
         mesh = make_mesh(c, devices=devices)
         row["mesh"] = K.mesh_desc(mesh)
@@ -69,7 +58,7 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
         row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return row
     mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
-    comm = K.collective_bytes(c, K.abstract_model(c, mesh)[1], mesh)
+    comm = K.collective_bytes(c, abstract_state(c, mesh)[1]["params"], mesh)
     row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm["total"]),
                collectives=comm, global_batch=gb, compile_s=secs)
     return row

@@ -17,9 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import Config, ConfigError
+from k3jax.config import MESH_AXES, Config, mesh_shape  # noqa: F401 - MESH_AXES re-exported
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -42,6 +41,20 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # decode cache
     "cache_seq": None,
 }
+
+
+def _axes(name: str) -> tuple[str, ...]:
+    a = RULES[name]
+    return (a,) if isinstance(a, str) else tuple(a or ())
+
+
+# The rules above, read by the code that maps over mesh axes by hand (shard_map kernels take these
+# as arguments: kernels/ never import this module).
+BATCH_AXES = _axes("batch")                                # rows of every activation
+EXPERT_AXIS = RULES["exp"]                                 # routed experts
+TOKEN_AXES = tuple(a for a in BATCH_AXES if a != EXPERT_AXIS)  # token axes besides the expert axis
+HEAD_AXIS = RULES["act_heads"]                             # attention / KDA heads of activations
+WEIGHT_EMBED_AXES = _axes("embed")                         # the model-width (FSDP) axis of weights
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P:
@@ -138,46 +151,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Mesh construction
 # ---------------------------------------------------------------------------------------------
-
-def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
-    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
-    m = cfg.mesh
-    ici = {a: getattr(m, f"ici_{a}_parallelism") for a in MESH_AXES}
-    dcn = {a: getattr(m, f"dcn_{a}_parallelism") for a in MESH_AXES}
-    for where, sizes in (("ici", ici), ("dcn", dcn)):
-        for a, s in sizes.items():
-            if s == 0 or s < -1 or (where == "dcn" and s < 1):
-                raise ConfigError(f"{where}_{a}_parallelism={s}: must be a positive size" +
-                                  (" or -1 (fill)" if where == "ici" else ""))
-    dcn_prod = math.prod(dcn.values())
-    if dcn_prod != num_slices:
-        raise ConfigError(f"dcn parallelism product {dcn_prod} != number of slices {num_slices}")
-    per_slice, rem = divmod(num_devices, num_slices)
-    if rem:
-        raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
-    fills = [a for a, s in ici.items() if s == -1]
-    if len(fills) > 1:
-        raise ConfigError(f"only one ici_*_parallelism may be -1, got {', '.join(fills)}")
-    known = math.prod(s for s in ici.values() if s != -1)
-    if fills:
-        if per_slice % known:
-            raise ConfigError(f"ici parallelism {known} (without the -1 axis) does not divide the "
-                              f"{per_slice} devices per slice")
-        ici[fills[0]] = per_slice // known
-    if math.prod(ici.values()) != per_slice:
-        desc = " x ".join(f"{a}={s}" for a, s in ici.items())
-        raise ConfigError(f"mesh {desc} = {math.prod(ici.values())} devices, but {per_slice} are "
-                          f"available per slice; set one ici_*_parallelism=-1 or fix the sizes")
-    mc = cfg.model
-    ep = ici["expert"] * dcn["expert"]
-    if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
-        raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep}")
-    tp = ici["tensor"] * dcn["tensor"]
-    for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
-        if heads % tp:
-            raise ConfigError(f"{name}={heads} is not divisible by tensor parallelism {tp}")
-    return ici, dcn
-
 
 def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
     """Build the (data, fsdp, expert, tensor) mesh for ``devices`` (default: all devices)."""
