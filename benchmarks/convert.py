@@ -64,7 +64,6 @@ def write_input(path: str, cfg) -> int:
     from flax import nnx
 
     from conversion import param_map
-    from conversion.hf_to_k3jax import layer_location
     from conversion.k3jax_to_hf import F32_SUFFIXES, hf_config
     from conversion.safetensors_io import CONFIG_NAME, ShardedWriter
     from k3jax import model as M
@@ -76,7 +75,7 @@ def write_input(path: str, cfg) -> int:
     rules += [(r, l) for l in range(m.num_layers) for r in param_map.layer_rules(m, l, "remote_prefixed")]
     with ShardedWriter(path, 2**30) as w:
         for (our, hf, _, to_hf), l in rules:
-            loc, idx = layer_location(model, l) if l is not None else ((), None)
+            loc, idx = model.layout.where(l) if l is not None else ((), None)
             shape = leaves[loc + tuple(our.split("."))][(0 if idx is None else 1):]
             if hasattr(to_hf, "each_hf"):  # MXFP4 experts: random codes, scales 2^-9 .. 2^-1
                 out_dim, in_dim = shape[-1], shape[-2]

@@ -36,11 +36,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
-from k3jax import model as M  # noqa: E402
 from k3jax.decode import generate  # noqa: E402
 from k3jax.layers.kda import kda_cache_shapes  # noqa: E402
 from k3jax.layers.mla import mla_cache_shapes  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
+from k3jax.state import init_state  # noqa: E402
 
 SETTINGS = ["dtype=float32", "weight_dtype=float32", "scan_layers=true"]
 
@@ -57,7 +57,7 @@ def bench_generate(cfg, mesh, model, batch: int, prompt_len: int, new_tokens: in
     rng = np.random.default_rng(batch)
     prompts = rng.integers(1, cfg.model.vocab_size, size=(batch, prompt_len)).tolist()
     with jax.set_mesh(mesh):
-        out, timing = generate(model, prompts, max_new_tokens=new_tokens, mesh=mesh)
+        out, timing = generate(model, prompts, max_new_tokens=new_tokens)
     if out.shape != (batch, new_tokens) or (out < 0).any():
         raise RuntimeError(f"generate returned {out.shape} with stopped rows; expected every row to run")
     return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, **timing,
@@ -72,10 +72,8 @@ def _zeros(spec):
 
 def _first_layer(model, mixer: str):
     """An unstacked (prefix or tail) decoder layer with this mixer, or None."""
-    for layer in list(model.prefix) + list(model.tail):
-        if layer.mixer == mixer:
-            return layer
-    return None
+    layers = (model.layer(s) for s in model.layout.sites() if not s.stacked)
+    return next((layer for layer in layers if layer.mixer == mixer), None)
 
 
 def _mixer_fns(model, batch: int):
@@ -99,8 +97,7 @@ def _mixer_fns(model, batch: int):
 def bench_context(cfg, mesh, model, batch: int, lengths, warmup: int, repeats: int) -> list[dict]:
     """Median ms of one decode step (whole model, one KDA mixer, one MLA mixer) per cache length."""
     gdef, state = nnx.split(model)
-    step = jax.jit(lambda st, tok, cache, pos, start: nnx.merge(gdef, st).decode_step(tok, cache, pos, start,
-                                                                                        mesh=mesh))
+    step = jax.jit(lambda st, tok, cache, pos, start: nnx.merge(gdef, st).decode_step(tok, cache, pos, start))
     tok = jnp.ones((batch,), jnp.int32)
     start = jnp.zeros((batch,), jnp.int32)
     mixers = _mixer_fns(model, batch)
@@ -159,7 +156,8 @@ def main(argv=None):
         if name not in models:
             cfg = load(name, longest)
             mesh = make_mesh(cfg, devices=jax.devices()[:1])
-            models[name] = (cfg, mesh, M.create_sharded(cfg, mesh))
+            gdef, state, _ = init_state(cfg, mesh)
+            models[name] = (cfg, mesh, nnx.merge(gdef, state["params"], state["rest"]))
         return models[name]
 
     for name in a.config:

@@ -109,17 +109,6 @@ def _mla_schedule(n: int, mla: list[int]) -> dict:
     return best
 
 
-def layer_location(model, l: int):
-    """(path prefix tuple, stack index or None) of decoder layer ``l`` in the model state."""
-    lay = model.layout
-    if l in lay.prefix:
-        return ("prefix", lay.prefix.index(l)), None
-    if l in lay.tail:
-        return ("tail", lay.tail.index(l)), None
-    i, j = divmod(l - lay.scan_start, lay.period)
-    return ("periods", "layers", j), i
-
-
 def hf_to_flat(model, mcfg, get, names) -> dict[tuple, np.ndarray]:
     """All parameters of ``model`` as {state path: array} from HF tensors (``get(name)``)."""
     layout = param_map.detect_layout(names)
@@ -128,7 +117,7 @@ def hf_to_flat(model, mcfg, get, names) -> dict[tuple, np.ndarray]:
     for our, hf, to_ours, _ in param_map.global_rules(mcfg, layout):
         flat[tuple(our.split("."))] = to_ours(*[get(n) for n in hf])
     for l in range(mcfg.num_layers):
-        loc, idx = layer_location(model, l)
+        loc, idx = model.layout.where(l)
         for our, hf, to_ours, _ in param_map.layer_rules(mcfg, l, layout):
             path = loc + tuple(our.split("."))
             val = to_ours(*[get(n) for n in hf])
@@ -276,7 +265,7 @@ def conversion_steps(model, mcfg, layout: str):
     for our, hf, to_ours, _ in param_map.global_rules(mcfg, layout):
         yield None, tuple(our.split(".")), (), hf, to_ours
     for l in range(mcfg.num_layers):
-        loc, idx = layer_location(model, l)
+        loc, idx = model.layout.where(l)
         for our, hf, to_ours, _ in param_map.layer_rules(mcfg, l, layout):
             yield l, loc + tuple(our.split(".")), (() if idx is None else (idx,)), hf, to_ours
 

@@ -123,7 +123,6 @@ def hf_config(m, layout: str, dtype: str) -> dict:
 def _plan(model, m, layout):
     """[(hf name, [(state path, index, to_hf)...], each_hf or None)] in checkpoint order; fused HF
     tensors (rules with to_hf None) collect every rule that feeds them, in rule order."""
-    from conversion.hf_to_k3jax import layer_location
     groups: dict[str, list] = {}
     order = []
 
@@ -142,7 +141,7 @@ def _plan(model, m, layout):
 
     add(param_map.global_rules(m, layout), (), ())
     for l in range(m.num_layers):
-        loc, idx = layer_location(model, l)
+        loc, idx = model.layout.where(l)
         add(param_map.layer_rules(m, l, layout), loc, () if idx is None else (idx,))
     return order
 

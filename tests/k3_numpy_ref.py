@@ -39,12 +39,10 @@ def layer_params(model) -> list[dict]:
             a = np.asarray(v.get_value() if hasattr(v, "get_value") else v.value, np.float64)
             out[".".join(str(p) for p in path)] = a if idx is None else a[idx]
         return out
-    lay = model.layout
-    layers = {l: flat(m) for l, m in zip(lay.prefix, model.prefix)}
-    for i in range(lay.num_periods):
-        for j, l in enumerate(lay.period_layers(i)):
-            layers[l] = flat(model.periods.layers[j], i)
-    layers.update({l: flat(m) for l, m in zip(lay.tail, model.tail)})
+    layers = {}
+    for site in model.layout.sites():
+        for i, l in enumerate(site.layers):
+            layers[l] = flat(model.layer(site), i if site.stacked else None)
     return [layers[l] for l in sorted(layers)]
 
 

@@ -92,10 +92,9 @@ def test_to_hf_then_to_ours_is_identity(name, layout, tmp_path_factory):
 
 
 def _slice_shape(model, leaves, our, where):
-    from conversion.hf_to_k3jax import layer_location
     if not where:
         return leaves[tuple(our.split("."))]
-    loc, idx = layer_location(model, where[0])
+    loc, idx = model.layout.where(where[0])
     shape = leaves[loc + tuple(our.split("."))]
     return shape if idx is None else shape[1:]
 

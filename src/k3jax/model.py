@@ -1,17 +1,16 @@
 """The K3 / Kimi Linear text backbone: embed -> decoder layers -> (AttnRes output mix) -> head.
 
-Layers are grouped as ``prefix`` (unrolled: the period holding the dense layer 0), ``periods`` (a
-stack of identical super-blocks of one layer period, e.g. KDA, KDA, KDA, MLA, each with an MoE FFN,
-run by ``lax.scan``) and ``tail`` (unrolled irregular layers, e.g. K3's final MLA layer 92). The
-residual state (AttnRes blocks + partial sum, or the plain hidden state) is the scan carry; a per-
-layer "starts an AttnRes block" flag is scanned alongside, so block boundaries may fall anywhere.
+Layers are grouped by ``k3jax.layout``: ``prefix`` (unrolled), ``periods`` (a stack of identical
+super-blocks of one layer period run by ``lax.scan``) and ``tail`` (unrolled). The residual state
+(AttnRes blocks + partial sum, or the plain hidden state) is the carry of one walker,
+``K3Model._walk``, shared by the sequence forward and the decode step; a per-layer "starts an
+AttnRes block" flag is scanned alongside, so block boundaries may fall anywhere.
 
-Per-layer side outputs are returned explicitly, in the same prefix/periods/tail structure as the
-parameters: MLA max logits [H] (QK-clip), MoE expert loads [E], dropped fraction and aux loss.
+Per-layer side outputs are returned explicitly as layout trees: MLA max logits [H] (QK-clip), MoE
+expert loads [E], dropped fraction and aux loss. Both mixers return ``(out, aux, cache)``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -20,10 +19,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.layers.attn_res import AttnResSites, attn_res_mix
-from k3jax.layers.common import MLP, CountingSampler, FlatSampler, RMSNorm, dtype_of, ones, param, zeros
+from k3jax.layers.common import MLP, CountingSampler, FlatSampler, RMSNorm, is_variable, ones, param, zeros
 from k3jax.layers.kda import KDA, kda_cache_shapes
 from k3jax.layers.mla import MLA, mla_cache_shapes
 from k3jax.layers.moe import MoE
+from k3jax.layout import Layout, Site, layout, period_kinds
 from k3jax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -32,39 +32,7 @@ REMAT_POLICIES = {
     "save_dot": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "save_mixer_out": jax.checkpoint_policies.save_only_these_names("mixer_out"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which layers are unrolled before the scan, scanned as periods, and unrolled after."""
-    prefix: tuple[int, ...]
-    period: int
-    num_periods: int
-    tail: tuple[int, ...]
-
-    @property
-    def scan_start(self) -> int:
-        return len(self.prefix)
-
-    def period_layers(self, i: int) -> list[int]:
-        s = self.scan_start + i * self.period
-        return list(range(s, s + self.period))
-
-
-def layout(cfg, scan: bool = True) -> Layout:
-    """Find the longest run of identical all-MoE periods after the dense layers."""
-    p = cfg.mla_every
-    if p == 0:
-        return Layout(tuple(range(cfg.num_layers)), 1, 0, ())
-    sched = cfg.schedule
-    pattern = [("kda", "moe")] * (p - 1) + [("mla", "moe")]
-    start = math.ceil(cfg.first_k_dense / p) * p
-    n = 0
-    while start + (n + 1) * p <= cfg.num_layers and sched[start + n * p:start + (n + 1) * p] == pattern:
-        n += 1
-    if not scan or n < 2:
-        return Layout(tuple(range(cfg.num_layers)), p, 0, ())
-    return Layout(tuple(range(start)), p, n, tuple(range(start + n * p, cfg.num_layers)))
+MIXERS = {"kda": KDA, "mla": MLA}
 
 
 class DecoderLayer(nnx.Module):
@@ -73,14 +41,15 @@ class DecoderLayer(nnx.Module):
         self.cfg, self.mixer, self.ffn = cfg, mixer, ffn
         self.input_layernorm = RMSNorm(d, eps, rngs, stack, dtype)
         self.post_attention_layernorm = RMSNorm(d, eps, rngs, stack, dtype)
-        self.self_attn = (KDA if mixer == "kda" else MLA)(cfg, kcfg, rngs, stack, dtype)
+        self.self_attn = MIXERS[mixer](cfg, kcfg, rngs, stack, dtype)
         self.mlp = MLP(cfg, cfg.intermediate_size, rngs, stack, dtype) if ffn == "dense" else \
             MoE(cfg, kcfg, rngs, stack, dtype)
         if cfg.attn_res:
             self.res = AttnResSites(d, rngs, stack, dtype)
 
     def _mix(self, res, w, gamma):
-        return attn_res_mix(res["blocks"], res["n"], res["partial"], w[...], gamma[...], self.cfg.rms_norm_eps)
+        with jax.named_scope("residual_mix"):
+            return attn_res_mix(res["blocks"], res["n"], res["partial"], w[...], gamma[...], self.cfg.rms_norm_eps)
 
     def _pre_mixer(self, res, first: bool, block_start):
         """Mixer input and the residual state after a possible block boundary."""
@@ -95,46 +64,37 @@ class DecoderLayer(nnx.Module):
                    "partial": jnp.where(flag, jnp.zeros_like(res["partial"]), res["partial"])}
         return x, res
 
-    def _post_mixer(self, res, a, mesh, compute_aux):
+    def _post_mixer(self, res, a, compute_aux):
         key = "partial" if self.cfg.attn_res else "h"
         res = dict(res, **{key: res[key] + a})
         y = self._mix(res, self.res.mlp_res_proj, self.res.mlp_res_norm) if self.cfg.attn_res else res["h"]
         y = self.post_attention_layernorm(y)
-        aux = {}
-        if self.ffn == "dense":
-            f = self.mlp(y)
-        else:
-            f, aux = self.mlp(y, mesh=mesh, compute_aux=compute_aux)
+        with jax.named_scope("ffn"):
+            if self.ffn == "dense":
+                f, aux = self.mlp(y), {}
+            else:
+                f, aux = self.mlp(y, compute_aux=compute_aux)
         res = dict(res, **{key: constrain(res[key] + f, ("batch", "seq", "act_embed"))})
         return res, aux
 
-    def __call__(self, res, segment_ids, positions, *, first=False, block_start=False, mesh=None,
-                 compute_aux=False, return_cache=False):
+    def __call__(self, res, segment_ids, positions, *, first=False, block_start=False, compute_aux=False,
+                 return_cache=False):
+        """Sequence path -> (res, aux, cache or None)."""
         x, res = self._pre_mixer(res, first, block_start)
         h = self.input_layernorm(x)
-        cache = None
-        if self.mixer == "kda":
-            out = self.self_attn(h, segment_ids, return_cache=return_cache)
-            a, cache = out if return_cache else (out, None)
-            aux = {}
-        else:
-            out = self.self_attn(h, segment_ids, positions, return_cache=return_cache)
-            a, m = out[:2]
-            cache = {"c": out[2][0], "k_r": out[2][1]} if return_cache else None
-            aux = {"max_logits": m}
+        with jax.named_scope("mixer"):
+            a, aux, cache = self.self_attn(h, segment_ids, positions, return_cache=return_cache)
         a = checkpoint_name(a, "mixer_out")
-        res, ffn_aux = self._post_mixer(res, a, mesh, compute_aux)
+        res, ffn_aux = self._post_mixer(res, a, compute_aux)
         return res, {**aux, **ffn_aux}, cache
 
-    def decode(self, res, cache, pos, start, *, first=False, block_start=False, mesh=None):
+    def decode(self, res, cache, pos, start, *, first=False, block_start=False):
         """One token per row: res leaves are [B,1,D]; returns (res, new cache)."""
         x, res = self._pre_mixer(res, first, block_start)
         h = self.input_layernorm(x)[:, 0]
-        if self.mixer == "kda":
-            a, cache = self.self_attn.decode(h, cache)
-        else:
+        with jax.named_scope("mixer"):
             a, cache = self.self_attn.decode(h, cache, pos, start)
-        res, _ = self._post_mixer(res, a[:, None], mesh, False)
+        res, _ = self._post_mixer(res, a[:, None], False)
         return res, cache
 
 
@@ -142,16 +102,14 @@ class Period(nnx.Module):
     """One layer period (e.g. KDA, KDA, KDA, MLA with MoE FFNs), stacked ``n`` deep for the scan."""
 
     def __init__(self, cfg, kcfg, rngs, n: int, dtype):
-        p = cfg.mla_every
-        kinds = [("kda", "moe")] * (p - 1) + [("mla", "moe")]
-        self.layers = nnx.List([DecoderLayer(cfg, kcfg, m, f, rngs, (n,), dtype) for m, f in kinds])
+        self.layers = nnx.List([DecoderLayer(cfg, kcfg, m, f, rngs, (n,), dtype) for m, f in period_kinds(cfg)])
 
 
 class K3Model(nnx.Module):
     def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, dtype=jnp.float32,
                  compute_dtype=jnp.float32):
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
-        self.layout = layout(cfg, scan)
+        self.layout: Layout = layout(cfg, scan)
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
         self.embed_tokens = param(rngs, (), (v, d), ("vocab", "embed"), std=std, dtype=dtype)
         mk = lambda l: DecoderLayer(cfg, kcfg, cfg.mixer(l), cfg.ffn(l), rngs, (), dtype)  # noqa: E731
@@ -167,13 +125,15 @@ class K3Model(nnx.Module):
             self.lm_head = param(rngs, (), (d, v), ("embed", "vocab"), std=std, dtype=dtype, matrix=None)
 
     # -- helpers ---------------------------------------------------------------------------------
+    def layer(self, site: Site) -> DecoderLayer:
+        """The DecoderLayer at a layout site (stacked for a period site)."""
+        node = self
+        for k in site.module_path:
+            node = node[k] if isinstance(k, int) else getattr(node, k)
+        return node
+
     def _block_start(self, l: int) -> bool:
         return self.cfg.attn_res and l % self.cfg.attn_res_block_size == 0
-
-    def _scan_flags(self):
-        lay = self.layout
-        return jnp.array([[self._block_start(l) for l in lay.period_layers(i)] for i in range(lay.num_periods)],
-                         dtype=bool)
 
     def _initial_residual(self, x):
         if not self.cfg.attn_res:
@@ -191,58 +151,85 @@ class K3Model(nnx.Module):
     def final_hidden(self, res):
         """Residual state -> normalised final hidden [B,T,D] (the lm_head input)."""
         if self.cfg.attn_res:
-            h = attn_res_mix(res["blocks"], res["n"], res["partial"], self.output_attn_res_proj[...],
-                             self.output_attn_res_norm[...], self.cfg.rms_norm_eps)
+            with jax.named_scope("residual_mix"):
+                h = attn_res_mix(res["blocks"], res["n"], res["partial"], self.output_attn_res_proj[...],
+                                 self.output_attn_res_norm[...], self.cfg.rms_norm_eps)
         else:
             h = res["h"]
         return self.norm(h)
 
+    def _walk(self, res, step, per_site=None, remat: str = "none"):
+        """Thread the residual state through every decoder layer in order: the prefix and tail
+        unrolled, the periods by ``lax.scan`` over their stacked parameters.
+
+        step(layer, res, flags, entry) -> (res, out); flags = {"first", "block_start"} (Python
+        bools for unrolled layers, a traced bool for block_start inside the scan); entry = the
+        layer's entry of the layout tree ``per_site`` (e.g. its decode cache) or None. Under a
+        remat policy every unrolled layer and the scan body are rematerialised (without it the
+        prefix/tail activations stay live for the backward: at K3 scale ~8 GB per MoE layer).
+        Returns (res, layout tree of the outs).
+        """
+        lay = self.layout
+        policy = REMAT_POLICIES[remat]
+        outs = {"prefix": [], "periods": None, "tail": []}
+
+        def unrolled(site, res):
+            l = site.layer
+            flags = {"first": l == 0, "block_start": self._block_start(l)}
+            entry = None if per_site is None else per_site[site.group][site.index]
+            layer = self.layer(site)
+            if remat == "none":
+                return step(layer, res, flags, entry)
+            gdef, st = nnx.split(layer)
+            fn = lambda st, res, entry: step(nnx.merge(gdef, st), res, flags, entry)  # noqa: E731
+            return jax.checkpoint(fn, policy=policy, prevent_cse=False)(st, res, entry)
+
+        for site in lay.sites():
+            if site.group == "prefix":
+                res, o = unrolled(site, res)
+                outs["prefix"].append(o)
+        if lay.num_periods:
+            gdef, state = nnx.split(self.periods)
+            flags = jnp.array([[self._block_start(l) for l in lay.period_layers(i)] for i in range(lay.num_periods)],
+                              dtype=bool)
+            entries = None if per_site is None else per_site["periods"]
+
+            def body(res, xs):
+                st, fl, es = xs
+                period = nnx.merge(gdef, st)
+                out = []
+                for j, layer in enumerate(period.layers):
+                    res, o = step(layer, res, {"first": False, "block_start": fl[j]}, None if es is None else es[j])
+                    out.append(o)
+                return res, out
+
+            if remat != "none":
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            res, outs["periods"] = jax.lax.scan(body, res, (state, flags, entries))
+        for site in lay.sites():
+            if site.group == "tail":
+                res, o = unrolled(site, res)
+                outs["tail"].append(o)
+        return res, outs
+
     # -- sequence forward ------------------------------------------------------------------------
-    def hidden(self, tokens, segment_ids=None, positions=None, *, mesh=None, remat: str = "none",
+    def hidden(self, tokens, segment_ids=None, positions=None, *, remat: str = "none",
                compute_aux: bool = False, return_cache: bool = False):
-        """tokens [B,T] -> (final hidden [B,T,D], aux, caches) with aux/caches mirroring the layers."""
+        """tokens [B,T] -> (final hidden [B,T,D], aux, caches); aux and caches are layout trees
+        (caches' entries None unless ``return_cache``)."""
         b, t = tokens.shape
         segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
         res = self._initial_residual(self.embed(tokens))
-        kw = dict(mesh=mesh, compute_aux=compute_aux, return_cache=return_cache)
-        aux = {"prefix": [], "periods": None, "tail": []}
-        caches = {"prefix": [], "periods": None, "tail": []}
-        policy = REMAT_POLICIES[remat]
 
-        def unrolled(layer, res, **flags):
-            """One prefix/tail layer, under the same remat policy as the scanned periods (without it
-            their activations stay live for the backward: at K3 scale ~8 GB per MoE layer)."""
-            if remat == "none":
-                return layer(res, segment_ids, positions, **flags, **kw)
-            gdef, st = nnx.split(layer)
-            fn = lambda st, res: nnx.merge(gdef, st)(res, segment_ids, positions, **flags, **kw)  # noqa: E731
-            return jax.checkpoint(fn, policy=policy, prevent_cse=False)(st, res)
+        def step(layer, res, flags, _):
+            res, aux, cache = layer(res, segment_ids, positions, compute_aux=compute_aux, return_cache=return_cache,
+                                    **flags)
+            return res, (aux, cache)
 
-        for l, layer in zip(self.layout.prefix, self.prefix):
-            res, a, c = unrolled(layer, res, first=(l == 0), block_start=self._block_start(l))
-            aux["prefix"].append(a)
-            caches["prefix"].append(c)
-        if self.layout.num_periods:
-            gdef, state = nnx.split(self.periods)
-
-            def body(res, xs):
-                st, flags = xs
-                period = nnx.merge(gdef, st)
-                outs_a, outs_c = [], []
-                for j, layer in enumerate(period.layers):
-                    res, a, c = layer(res, segment_ids, positions, block_start=flags[j], **kw)
-                    outs_a.append(a)
-                    outs_c.append(c)
-                return res, (outs_a, outs_c)
-
-            if remat != "none":
-                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-            res, (aux["periods"], caches["periods"]) = jax.lax.scan(body, res, (state, self._scan_flags()))
-        for l, layer in zip(self.layout.tail, self.tail):
-            res, a, c = unrolled(layer, res, block_start=self._block_start(l))
-            aux["tail"].append(a)
-            caches["tail"].append(c)
+        res, outs = self._walk(res, step, remat=remat)
+        aux = self.layout.map(lambda _, o: o[0], outs)
+        caches = self.layout.map(lambda _, o: o[1], outs)
         return self.final_hidden(res), aux, caches
 
     def __call__(self, tokens, segment_ids=None, positions=None, **kw):
@@ -254,42 +241,25 @@ class K3Model(nnx.Module):
 
     # -- decode ----------------------------------------------------------------------------------
     def cache_spec(self, batch: int, length: int):
-        """Shapes, dtypes and logical axes of the decode cache (mirrors prefix/periods/tail)."""
+        """Layout tree of the decode cache: per leaf (shape, dtype, logical axes)."""
         c = self.cfg
 
-        def one(l, stack=()):
-            shapes = kda_cache_shapes(c, batch) if c.mixer(l) == "kda" else mla_cache_shapes(c, batch, length)
+        def one(site: Site):
+            shapes = (kda_cache_shapes(c, batch) if c.mixer(site.layer) == "kda"
+                      else mla_cache_shapes(c, batch, length))
+            stack = (len(site.layers),) if site.stacked else ()
             return {k: (stack + s, dt, ("layers",) * len(stack) + ax) for k, (s, dt, ax) in shapes.items()}
 
-        lay = self.layout
-        periods = None
-        if lay.num_periods:
-            periods = [one(l, (lay.num_periods,)) for l in lay.period_layers(0)]
-        return {"prefix": [one(l) for l in lay.prefix], "periods": periods, "tail": [one(l) for l in lay.tail]}
+        return self.layout.map(one)
 
-    def decode_step(self, tokens, cache, pos, start, *, mesh=None):
+    def decode_step(self, tokens, cache, pos, start):
         """tokens [B] at absolute slot ``pos`` -> (logits [B,V] f32, new cache)."""
         res = self._initial_residual(self.embed(tokens[:, None]))
-        new = {"prefix": [], "periods": None, "tail": []}
-        for l, layer, c in zip(self.layout.prefix, self.prefix, cache["prefix"]):
-            res, c = layer.decode(res, c, pos, start, first=(l == 0), block_start=self._block_start(l), mesh=mesh)
-            new["prefix"].append(c)
-        if self.layout.num_periods:
-            gdef, state = nnx.split(self.periods)
 
-            def body(res, xs):
-                st, flags, cs = xs
-                period = nnx.merge(gdef, st)
-                outs = []
-                for j, layer in enumerate(period.layers):
-                    res, cj = layer.decode(res, cs[j], pos, start, block_start=flags[j], mesh=mesh)
-                    outs.append(cj)
-                return res, outs
+        def step(layer, res, flags, c):
+            return layer.decode(res, c, pos, start, **flags)
 
-            res, new["periods"] = jax.lax.scan(body, res, (state, self._scan_flags(), cache["periods"]))
-        for l, layer, c in zip(self.layout.tail, self.tail, cache["tail"]):
-            res, c = layer.decode(res, c, pos, start, block_start=self._block_start(l), mesh=mesh)
-            new["tail"].append(c)
+        res, new = self._walk(res, step, per_site=cache)
         h = self.final_hidden(res)[:, 0]
         logits = jnp.einsum("bd,dv->bv", h, self.head_weight().astype(h.dtype), preferred_element_type=jnp.float32)
         return logits, new
@@ -308,8 +278,8 @@ def _sampler(cfg, seed: int):
 
 
 def _construct(cfg, rngs):
-    return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers, dtype=dtype_of(cfg.train.weight_dtype),
-                   compute_dtype=dtype_of(cfg.train.dtype))
+    return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers, dtype=jnp.dtype(cfg.train.weight_dtype),
+                   compute_dtype=jnp.dtype(cfg.train.dtype))
 
 
 def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
@@ -318,58 +288,5 @@ def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
     return _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
 
 
-# ---- abstract state, shardings, sharded init ----------------------------------------------------
-
-def _is_var(x):
-    return isinstance(x, nnx.Variable)
-
-
-def abstract(cfg):
-    """(graphdef, abstract state): shapes, dtypes and logical axes, allocating nothing.
-    Works for the full kimi-k3 (2.78T parameters) as well as the tiny config."""
-    model = nnx.eval_shape(lambda: _construct(cfg, nnx.Rngs(0)))
-    return nnx.split(model)
-
-
-def state_shardings(state, mesh):
-    """NamedSharding per variable, from its declared logical axes (same pytree as ``state``)."""
-    from k3jax.sharding import param_sharding
-    return jax.tree.map(lambda v: v.replace(param_sharding(mesh, v.shape, v.axes)), state, is_leaf=_is_var)
-
-
 def count_params(state) -> int:
-    return sum(math.prod(v.shape) for v in jax.tree.leaves(state, is_leaf=_is_var)
-               if isinstance(v, (nnx.Param, nnx.Variable)))
-
-
-def create_sharded(cfg, mesh, seed: int | None = None) -> K3Model:
-    """Initialise parameters into their shardings.
-
-    Pod-scale models are initialised by a jit whose out_shardings place every shard where it
-    lives (nothing is gathered on one host). Models below FLAT_INIT_MAX_PARAMS fit one device by
-    construction; they are built eagerly and then placed, because XLA:CPU's SPMD partitioning of
-    the init graph alone took ~100 s for the tiny config on 8 devices.
-    """
-    seed = cfg.train.seed if seed is None else seed
-    gdef, abs_state = abstract(cfg)
-    shardings = state_shardings(abs_state, mesh)
-    if count_params(abs_state) <= FLAT_INIT_MAX_PARAMS:
-        return nnx.merge(gdef, jax.device_put(nnx.state(build(cfg, seed)), shardings))
-
-    def init():
-        return nnx.state(build(cfg, seed))
-
-    with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(gdef, state)
-
-
-def abstract_split(cfg, mesh):
-    """(graphdef, abstract params, abstract router biases) with shardings attached: the restore
-    targets for loading weights without materialising a random init first."""
-    from k3jax.layers.common import RouterBias
-    model = nnx.eval_shape(lambda: _construct(cfg, nnx.Rngs(0)))
-    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
-    shard = lambda st: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),  # noqa: E731
-                                    st, state_shardings(st, mesh))
-    return gdef, shard(params), shard(rest)
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(state, is_leaf=is_variable))

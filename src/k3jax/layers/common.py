@@ -22,6 +22,11 @@ class RouterBias(nnx.Variable):
     """e_score_correction_bias: updated by the balancing rule, never by the optimizer."""
 
 
+def is_variable(x) -> bool:
+    """``is_leaf`` for trees of nnx Variables: a Variable (with its metadata) is one leaf."""
+    return isinstance(x, nnx.Variable)
+
+
 class KeySampler:
     """Random draws with one key per parameter (split from nnx.Rngs): shardable at any size."""
 
@@ -138,9 +143,6 @@ def glu_activation(cfg) -> Callable[[jax.Array, jax.Array], jax.Array]:
         return lambda g, u: situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)
     return swiglu
 
-
-def dtype_of(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 class RMSNorm(nnx.Module):

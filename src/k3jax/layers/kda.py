@@ -86,8 +86,9 @@ class KDA(nnx.Module):
         return t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
 
     # -- sequence path (training, prefill) ------------------------------------------------------
-    def __call__(self, x, segment_ids, cache=None, return_cache: bool = False):
-        """x [B,T,D], segment_ids [B,T] -> out [B,T,D] (and the decode cache when asked).
+    def __call__(self, x, segment_ids, positions=None, return_cache: bool = False):
+        """x [B,T,D], segment_ids [B,T] -> (out [B,T,D], aux {}, decode cache or None), the mixer
+        contract MLA shares (``positions`` is unused: KDA has no position encoding).
 
         Tokens with segment id 0 (padding) contribute zero to the convolutions, so a left-padded
         prompt leaves no trace in the conv state.
@@ -98,9 +99,7 @@ class KDA(nnx.Module):
         for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
                             ("v", self.v_proj, self.v_conv)):
             z = self._proj(x, w) * keep
-            init = None if cache is None else cache[f"conv_{name}"]
-            y, conv_state = short_conv(z.astype(jnp.float32), cw[...], segment_ids=segment_ids,
-                                       initial_state=init)
+            y, conv_state = short_conv(z.astype(jnp.float32), cw[...], segment_ids=segment_ids)
             conv_in[name] = conv_state
             outs.append(self._heads(jax.nn.silu(y)))
         q, k, v = outs
@@ -109,17 +108,16 @@ class KDA(nnx.Module):
         g = self._gate(x)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_heads", None))
-        o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5,
-                             initial_state=None if cache is None else cache["state"],
-                             segment_ids=segment_ids)
+        o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, segment_ids=segment_ids)
         out = self._output(o, x)
         if not return_cache:
-            return out
-        return out, {"conv_q": conv_in["q"], "conv_k": conv_in["k"], "conv_v": conv_in["v"], "state": state}
+            return out, {}, None
+        return out, {}, {"conv_q": conv_in["q"], "conv_k": conv_in["k"], "conv_v": conv_in["v"], "state": state}
 
     # -- single-token path (decode) -------------------------------------------------------------
-    def decode(self, x, cache):
-        """x [B,D] -> out [B,D], new cache. Constant cost in the context length."""
+    def decode(self, x, cache, pos=None, start=None):
+        """x [B,D] -> out [B,D], new cache. Constant cost in the context length (``pos`` and
+        ``start``, the cache slot and first valid slot MLA needs, are unused here)."""
         new = {}
         outs = []
         for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),

@@ -71,7 +71,7 @@ class MLA(nnx.Module):
         return jnp.einsum("...p,pd->...d", o, self._w(self.o_proj, x.dtype))
 
     def __call__(self, x, segment_ids, positions, return_cache: bool = False):
-        """x [B,T,D] -> (out [B,T,D], max_logit [H] f32) (+ latent cache (c, k_r) when asked)."""
+        """x [B,T,D] -> (out [B,T,D], aux {"max_logits": [H] f32}, latent cache {"c", "k_r"} or None)."""
         c = self.cfg
         q_nope, q_rope = self._query(x)
         lat, k_r = self._latent(x)
@@ -86,9 +86,7 @@ class MLA(nnx.Module):
         k = constrain(jnp.concatenate([k_nope, k_rope], -1), ("batch", "seq", "act_heads", None))
         o, m = self.attention(q, k, v, segment_ids, scale=self.scale)
         out = self._finish(o, x)
-        if return_cache:
-            return out, m, (lat, k_r)
-        return out, m
+        return out, {"max_logits": m}, ({"c": lat, "k_r": k_r} if return_cache else None)
 
     def decode(self, x, cache, pos, start):
         """One token per row. x [B,D]; cache {"c": [B,S,R], "k_r": [B,S,Rr]}; pos: scalar write

@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import sharding as S
 from k3jax.kernels.moe import balance, dispatch, routing
+from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
 from k3jax.layers.common import MLP, RouterBias, glu_activation, ones, param, rms_norm, zeros
 
 
@@ -46,27 +48,48 @@ class MoE(nnx.Module):
                                topk_group=c.topk_group)
         return w, idx, jax.nn.sigmoid(logits)
 
-    def __call__(self, x, mesh=None, compute_aux: bool = False):
+    def __call__(self, x, compute_aux: bool = False):
         """x [B,T,D] -> (out [B,T,D], stats): per-expert loads [E] f32 (balancing, metrics), the
-        dropped fraction (capacity mode) and, when ``compute_aux``, the sequence balance loss."""
+        dropped fraction (capacity mode) and, when ``compute_aux``, the sequence balance loss.
+
+        With an ``expert`` axis of size > 1 in the ambient mesh (``jax.set_mesh``), experts are
+        dispatched expert-parallel; otherwise locally."""
         c, k = self.cfg, self.kcfg
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
-        w, idx, scores = self.route(xf)
-        z = xf
+        with jax.named_scope("router"):
+            w, idx, scores = self.route(xf)
+        with jax.named_scope("dispatch"):
+            r, dropped = self._dispatch(xf, w, idx)
+        out = r.reshape(b, t, d)
+        if c.num_shared_experts:
+            out = out + self.shared_experts(x)
+        aux = jnp.zeros((), jnp.float32)
+        if compute_aux:
+            aux = balance.sequence_aux_loss(scores.reshape(b, t, -1), idx.reshape(b, t, -1),
+                                            c.num_experts_per_token)
+        stats = {"expert_load": balance.expert_load(idx, c.num_experts),
+                 "dropped_fraction": jnp.asarray(dropped, jnp.float32), "aux_loss": aux}
+        return out, stats
+
+    def _dispatch(self, x, w, idx):
+        """Routed experts (latent projections included): x [N,D] -> ([N,D] in x.dtype, dropped)."""
+        c, k = self.cfg, self.kcfg
+        z = x
         if c.moe_latent_size:
-            z = jnp.einsum("nd,dl->nl", xf, self.latent_down[...].astype(x.dtype))
+            z = jnp.einsum("nd,dl->nl", x, self.latent_down[...].astype(x.dtype))
         experts = (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype),
                    self.w_down[...].astype(x.dtype))
         dropped = jnp.zeros((), jnp.float32)
-        if mesh is not None and mesh.shape.get("expert", 1) > 1:
-            from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
-            if k.moe_ep_transport == "ragged" and mesh.devices.flat[0].platform == "cpu":
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get(S.EXPERT_AXIS, 1) > 1:
+            if k.moe_ep_transport == "ragged" and mesh.abstract_device.platform == "cpu":
                 raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
                                  "implement; set moe_ep_transport=padded on CPU")
-            r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, impl=k.moe_impl,
+            r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
+                                    token_axes=S.TOKEN_AXES, impl=k.moe_impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
-                                    transport=k.moe_ep_transport, weight_d_axes=("fsdp",),
+                                    transport=k.moe_ep_transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
                                     interpret=k.pallas_interpret)
             if isinstance(r, tuple):
                 r, dropped = r
@@ -82,13 +105,4 @@ class MoE(nnx.Module):
             if c.moe_latent_norm:
                 r = rms_norm(r, self.latent_norm[...], c.rms_norm_eps)
             r = jnp.einsum("nl,ld->nd", r, self.latent_up[...].astype(x.dtype))
-        out = r.reshape(b, t, d)
-        if c.num_shared_experts:
-            out = out + self.shared_experts(x)
-        aux = jnp.zeros((), jnp.float32)
-        if compute_aux:
-            aux = balance.sequence_aux_loss(scores.reshape(b, t, -1), idx.reshape(b, t, -1),
-                                            c.num_experts_per_token)
-        stats = {"expert_load": balance.expert_load(idx, c.num_experts),
-                 "dropped_fraction": jnp.asarray(dropped, jnp.float32), "aux_loss": aux}
-        return out, stats
+        return r, dropped

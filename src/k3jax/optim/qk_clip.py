@@ -32,23 +32,13 @@ import jax.numpy as jnp
 from k3jax.optim.muon import param_path
 
 
-def _mla_sites(aux) -> list[tuple[tuple, jax.Array]]:
+def _mla_sites(aux, layout) -> list[tuple[tuple, jax.Array]]:
     """(path of the layer's self_attn in the params state, max logits [H] or [n, H]) per MLA layer.
 
-    ``aux`` mirrors the layer structure: {"prefix": [dict per layer], "periods": [dict per period
-    layer, leaves stacked [n, ...]] | None, "tail": [dict per layer]}; MLA layers hold "max_logits".
-    """
-    sites = []
-    for i, a in enumerate(aux.get("prefix") or []):
-        if "max_logits" in a:
-            sites.append((("prefix", i, "self_attn"), a["max_logits"]))
-    for j, a in enumerate(aux.get("periods") or []):
-        if "max_logits" in a:
-            sites.append((("periods", "layers", j, "self_attn"), a["max_logits"]))
-    for i, a in enumerate(aux.get("tail") or []):
-        if "max_logits" in a:
-            sites.append((("tail", i, "self_attn"), a["max_logits"]))
-    return sites
+    ``aux`` is a layout tree (``k3jax.layout``): MLA layers hold "max_logits", stacked [n, H] for
+    the scanned period's layers."""
+    return [(site.module_path + ("self_attn",), a["max_logits"]) for site, a in layout.items(aux)
+            if "max_logits" in a]
 
 
 def head_gamma(max_logits: jax.Array, threshold: float) -> jax.Array:
@@ -72,13 +62,14 @@ def _scale_columns(w: jax.Array, scale: jax.Array) -> jax.Array:
     return (w.astype(jnp.float32) * scale[..., None, :]).astype(w.dtype)
 
 
-def qk_clip(params_state, aux, *, threshold: float, cfg_model):
+def qk_clip(params_state, aux, layout, *, threshold: float, cfg_model):
     """Rescale the q/k weights of every MLA head whose max logit exceeded ``threshold``.
 
     params_state: the parameter state (nnx.State of Variables or the same paths as pure dicts), with
       MLA weights at {prefix|tail}[i].self_attn.* ([in, out]) and periods.layers[j].self_attn.*
       ([n, in, out]).
     aux: the forward's side outputs (see ``_mla_sites``); max logits f32 [H] or [n, H].
+    layout: the model's ``k3jax.layout.Layout`` (where each aux entry's layer sits).
     threshold: tau > 0. cfg_model: ModelConfig (heads and head dims, q_lora_rank).
 
     Returns (new params_state with the same structure, stats) with stats = {"clipped_heads": int32
@@ -93,7 +84,7 @@ def qk_clip(params_state, aux, *, threshold: float, cfg_model):
     scales = {}                                              # param path -> column scale [..., out]
     clipped = jnp.zeros((), jnp.int32)
     top = jnp.full((), -jnp.inf, jnp.float32)
-    for site, m in _mla_sites(aux):
+    for site, m in _mla_sites(aux, layout):
         m = jnp.asarray(m, jnp.float32)
         if m.shape[-1] != h:
             raise ValueError(f"{'/'.join(map(str, site))}: max_logits shape {m.shape} does not end in H={h}")
