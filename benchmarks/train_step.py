@@ -1,7 +1,7 @@
 """One real jitted train step per config on one CPU device: tokens/s, model TFLOP/s, vs matmul peak.
 
 For each config: the model is built from configs/base.yml + configs/models/<name>.yml + the
-overrides below, with `k3jax.train.setup_state` and `make_train_step` (the same Muon + QK-clip
+overrides below, with `k3jax.state.init_state` and `k3jax.step.jit_train_step` (the same Muon + QK-clip
 step, remat and scanned layers as `python -m k3jax.train`), fed synthetic batches from the real
 data pipeline (drawn before timing, so the input pipeline is not timed). Warm-up steps (the first
 compiles), then the median of the timed steps.
@@ -36,7 +36,8 @@ from k3jax import counts  # noqa: E402
 from k3jax.metrics import measure_cpu_matmul_tflops  # noqa: E402
 from k3jax.model import count_params  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
-from k3jax.train import _data_iterator, _global_batch, make_train_step, setup_state  # noqa: E402
+from k3jax.state import init_state  # noqa: E402
+from k3jax.step import data_iterator, global_batch, jit_train_step  # noqa: E402
 
 # The training settings of each row. tiny/small: sizes a 2-core CPU steps in well under a second
 # (tiny) / a few seconds (small) while matrix work still dominates small; deepseek3-tiny: MaxText's.
@@ -69,12 +70,11 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict
     C.validate(cfg, num_devices=1)
     gb = cfg.global_batch_size(1)
     seq = cfg.train.max_target_length
-    gdef, state, tx = setup_state(cfg, mesh)
+    gdef, state, tx = init_state(cfg, mesh, optimizer=True)
     n_params = count_params(state["params"])
-    shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(make_train_step(cfg, gdef, tx, mesh), donate_argnums=0, out_shardings=(shardings, None))
-    data = _data_iterator(cfg, gb)
-    batches = [_global_batch(next(data), mesh, gb) for _ in range(warmup + repeats)]
+    step = jit_train_step(cfg, gdef, tx, state)
+    data = data_iterator(cfg, gb)
+    batches = [global_batch(next(data), mesh, gb) for _ in range(warmup + repeats)]
     it = iter(batches)
     holder = {"state": state, "loss": []}
 

@@ -14,6 +14,7 @@ from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
 from k3jax import topology as TP
+from k3jax.state import abstract_state
 
 TINY4 = ["model_name=tiny", "num_layers=4", "mla_extra_layers=[]", "attn_res_block_size=2", "opt_type=adamw",
          "use_qk_clip=false", "compile_topology=v5p:2x2x1"]
@@ -92,7 +93,7 @@ def test_plan_candidates_and_overrides():
     cfg = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-1024"])
     cands = PL.candidates(cfg, 1024)
     assert {c["ici_expert_parallelism"] for c in cands} == {128, 64, 32}   # divisors of 896 and 1024
-    c = PL.with_overrides(cfg, cands[0])
+    c = C.override(cfg, cands[0])
     assert c.mesh.ici_expert_parallelism == 128 and c.train.remat_policy == cands[0]["remat_policy"]
     assert "rank" in PL.table([], 4096)
     narrow = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-1024", "plan_expert_parallelism=[64, 7]",
@@ -133,7 +134,7 @@ def test_weight_collective_bytes_by_hand():
 
 def test_collective_estimate_on_the_tiny_compile(tiny_compiled):
     cfg, topo, mesh, compiled, gb = tiny_compiled
-    comm = K.collective_bytes(cfg, K.abstract_model(cfg, mesh)[1], mesh)
+    comm = K.collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh)
     assert comm["weight_gather"] > 0 and comm["total"] == pytest.approx(sum(
         comm[k] for k in ("weight_gather", "grad_reduce", "expert_all_to_all")))
     est = K.train_estimate(cfg, gb, 4, topo.chip, K.cost_report(compiled), comm["total"])

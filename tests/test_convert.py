@@ -28,6 +28,7 @@ from k3jax import config as C
 from k3jax import logit_check
 from k3jax import model as M
 from k3jax.sharding import make_mesh
+from k3jax.state import restore_model
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "tests" / "assets" / "kimi_linear_tiny"
@@ -44,12 +45,11 @@ def k3_tensors(cfg, seed=0):
     model = nnx.eval_shape(lambda: M.build(cfg, 0))
     leaves = {tuple(p): tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(model))}
     rng = np.random.default_rng(seed)
-    from conversion.hf_to_k3jax import layer_location
     rules = [(r, None) for r in param_map.global_rules(m, "remote_prefixed")]
     rules += [(r, l) for l in range(m.num_layers) for r in param_map.layer_rules(m, l, "remote_prefixed")]
     out = {}
     for (our, hf, _, to_hf), l in rules:
-        loc, idx = layer_location(model, l) if l is not None else ((), None)
+        loc, idx = model.layout.where(l) if l is not None else ((), None)
         shape = leaves[loc + tuple(our.split("."))][(0 if idx is None else 1):]
         x = (0.3 * rng.standard_normal(shape)).astype(np.float32)
         if our.endswith(("norm", "norm.weight")):
@@ -124,7 +124,7 @@ def test_k3_conversion_matches_model_built_from_dequantized_weights(k3):
                                                f"load_parameters_path={out}"])
     mesh = make_mesh(run, jax.devices()[:1])  # one device: the forward compiles much faster on CI
     with jax.set_mesh(mesh):
-        got = logit_check.load_checkpoint_model(run, mesh)
+        got = restore_model(run, mesh)
     ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
     for path, var in nnx.to_flat_state(nnx.state(got)):
         np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(ref_flat[path][...]), err_msg=str(path))

@@ -13,6 +13,7 @@ from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
 from k3jax import sharding as S
+from k3jax.state import abstract_state, init_state
 
 # A Kimi-Linear-shaped tiny config: every switch flipped relative to the tiny K3.
 KIMI_LINEAR_TINY = ["model_name=tiny", "attn_res=false", "kda_gate=softplus", "kda_output_gate=low_rank",
@@ -119,13 +120,14 @@ def test_sharded_forward_equals_single_device():
     cfg = cfg_of("model_name=tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2",
                  "moe_ep_transport=padded")
     mesh = S.make_mesh(cfg)
-    sharded = M.create_sharded(cfg, mesh, seed=0)
+    gdef, st, _ = init_state(cfg, mesh, seed=0)
+    sharded = nnx.merge(gdef, st["params"], st["rest"])
     single = M.build(cfg, 0)
     nnx.update(single, jax.device_get(nnx.state(sharded)))  # same values, one device
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.model.vocab_size, (8, 16)))
     want, _ = single(tokens)
     with jax.set_mesh(mesh):
-        got, _ = jax.jit(lambda m, t: m(t, mesh=mesh))(sharded, tokens)
+        got, _ = jax.jit(lambda m, t: m(t))(sharded, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # Parameters really are distributed: an expert weight is split over the expert axis.
     w = sharded.periods.layers[0].mlp.w_gate[...]
@@ -149,7 +151,7 @@ def test_scan_and_unrolled_agree():
 @pytest.mark.parametrize("name", ["tiny", "kimi-linear-48b", "kimi-k3"])
 def test_abstract_counts_match_config(name):
     cfg = cfg_of(f"model_name={name}")
-    _, state = M.abstract(cfg)
+    _, state, _ = abstract_state(cfg)
     total = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(state))
     assert total == counts.param_counts(cfg.model)[0]
     if name == "kimi-k3":

@@ -1,7 +1,7 @@
 """Optimizer: metadata grouping, per-expert Muon, consistent RMS, schedules, freezing, sharding,
 gradient accumulation and QK-clip, on the tiny K3 model's real parameter tree.
 
-Parameters come from ``model.abstract`` (shapes + metadata, no init compile) filled with numpy noise:
+Parameters come from ``state.abstract_state`` (shapes + metadata, no init compile) filled with numpy noise:
 the optimizer only needs paths, metadata and arrays. Compile budget: one full-model update step,
 small sub-tree steps, one MLA forward.
 """
@@ -22,6 +22,8 @@ from k3jax.layers.mla import MLA
 from k3jax.optim import (dimension_number, dimension_numbers, frozen_mask, init_sharded, make_optimizer, make_schedule,
                          opt_state_shardings, param_labels, param_path, qk_clip)
 from k3jax.optim.muon import variables_by_path
+from k3jax.layout import Layout
+from k3jax.state import abstract_state
 
 MDN = optax.contrib.MuonDimensionNumbers
 NS_COEFFS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic Newton-Schulz coefficients
@@ -34,8 +36,8 @@ def load(*args):
 @pytest.fixture(scope="module")
 def tiny():
     cfg = load()
-    gdef, state = M.abstract(cfg)
-    return cfg, gdef, state, nnx.filter_state(state, nnx.Param)
+    gdef, st, _ = abstract_state(cfg)
+    return cfg, gdef, nnx.merge_state(st["params"], st["rest"]), st["params"]
 
 
 def fill(abstract, seed=0, std=0.02):
@@ -263,26 +265,32 @@ SUB = [("embed_tokens",), ("periods", "layers", 3, "mlp", "w_up"), ("prefix", 3,
        ("norm", "weight"), ("prefix", 1, "mlp", "router")]
 
 
-def test_gradient_accumulation(tiny):
-    _, _, _, abstract = tiny
-    one = make_optimizer(load("warmup_steps_fraction=0").train, abstract)
-    acc = make_optimizer(load("warmup_steps_fraction=0", "gradient_accumulation_steps=2").train, abstract)
-    params = subtree(fill(abstract, 0), SUB)
-    g1, g2 = subtree(fill(abstract, 1), SUB), subtree(fill(abstract, 2), SUB)
-
-    @jax.jit
-    def run(params, g1, g2):
-        s = acc.init(params)
-        u1, s = acc.update(g1, s, params)
-        u2, _ = acc.update(g2, s, params)
-        mean = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-        return u1, u2, one.update(mean, one.init(params), params)[0]
-
-    u1, u2, ref = run(params, g1, g2)
-    assert all(not np.any(x) for x in jax.tree.leaves(u1))
-    for a, b in zip(jax.tree.leaves(u2), jax.tree.leaves(ref)):
-        # Running vs direct mean: rounding, amplified a little by Newton-Schulz.
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+def test_gradient_accumulation():
+    """k micro-batches of B rows give the update of one batch of k x B rows (the scan in k3jax.step),
+    with token weighting: the rows carry different numbers of loss tokens."""
+    from k3jax.state import init_state
+    from k3jax.step import make_train_step
+    args = ["num_layers=4", "mla_extra_layers=[]", "attn_res_block_size=2", "warmup_steps_fraction=0"]
+    one, acc = load(*args), load(*args, "gradient_accumulation_steps=2")
+    mesh = S.make_mesh(one, jax.devices()[:1])
+    gdef, state, tx = init_state(one, mesh, optimizer=True)
+    rng = np.random.default_rng(0)
+    b, t = 4, 16
+    tokens = rng.integers(0, one.model.vocab_size, (b, t + 1)).astype(np.int32)
+    mask = np.ones((b, t), np.float32)
+    mask[0, 4:] = 0.0                                   # micro-batch 0 holds 20 loss tokens, 1 holds 32
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((b, t), np.int32),
+             "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)), "loss_mask": mask}
+    with jax.set_mesh(mesh):
+        s1, m1 = jax.jit(make_train_step(one, gdef, tx))(state, batch)
+        s2, m2 = jax.jit(make_train_step(acc, gdef, tx))(state, batch)
+    assert float(m1["loss_tokens"]) == float(m2["loss_tokens"]) == 52.0
+    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+    for (p, a), (_, c) in zip(flat(s1["params"]).items(), flat(s2["params"]).items()):
+        # Summation order differs; Newton-Schulz amplifies the rounding a little.
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6, err_msg=str(p))
+    np.testing.assert_array_equal(jax.tree.leaves(s1["rest"]), jax.tree.leaves(s2["rest"]))
 
 
 # ---- sharding ----------------------------------------------------------------------------------------
@@ -291,7 +299,8 @@ def test_sharded_step_keeps_shardings(tiny):
     _, _, _, abstract = tiny
     cfg = load("ici_fsdp_parallelism=2", "ici_expert_parallelism=4")
     mesh = S.make_mesh(cfg)
-    shardings = flat(M.state_shardings(abstract, mesh))
+    shardings = flat(abstract_state(cfg, mesh)[1]["params"])
+    shardings = {p: x.sharding for p, x in shardings.items()}
     paths = SUB + [("periods", "layers", 1, "self_attn", "A_log")]
     host = subtree(fill(abstract, 0), paths)
     params = jax.tree_util.tree_map_with_path(lambda kp, x: jax.device_put(x, shardings[param_path(kp)]), host)
@@ -386,7 +395,7 @@ def mla_logits(tiny):
     x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 16, cfg.model.hidden_size)), jnp.float32)
     seg = jnp.ones((2, 16), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    fwd = jax.jit(lambda st: nnx.merge(gdef, st)(x, seg, pos)[1])
+    fwd = jax.jit(lambda st: nnx.merge(gdef, st)(x, seg, pos)[1]["max_logits"])
 
     def logits(params, site, j):
         leaves = {p[-1]: v if j is None else v[j] for p, v in flat(params).items() if p[:len(site)] == site}
@@ -430,7 +439,7 @@ def test_qk_clip_exact_threshold(tiny, mla_logits):
     assert max(cold) * 1.5 < min(hot), (cold, hot)
     tau = float(np.sqrt(max(cold) * min(hot)))
 
-    new, stats = qk_clip(params, aux_for(cfg, before), threshold=tau, cfg_model=cfg.model)
+    new, stats = qk_clip(params, aux_for(cfg, before), M.layout(cfg.model), threshold=tau, cfg_model=cfg.model)
     assert int(stats["clipped_heads"]) == 3
     assert float(stats["max_logit"]) == pytest.approx(max(hot), rel=1e-6)
     after = [mla_logits(new, s, j) for s, j in MLA_SITES]
@@ -464,7 +473,7 @@ def test_qk_clip_accepts_model_aux(tiny):
 
     def clip(state):
         _, aux = nnx.merge(gdef, state)(jnp.zeros((1, 8), jnp.int32))
-        return qk_clip(nnx.filter_state(state, nnx.Param), aux, threshold=1.0, cfg_model=cfg.model)
+        return qk_clip(nnx.filter_state(state, nnx.Param), aux, M.layout(cfg.model), threshold=1.0, cfg_model=cfg.model)
 
     new, stats = jax.eval_shape(clip, state)
     assert jax.tree.structure(new) == jax.tree.structure(params)
@@ -476,7 +485,7 @@ def test_qk_clip_noop_below_threshold(tiny, mla_logits):
     params = fill(abstract, 4, std=0.3)
     before = [mla_logits(params, s, j) for s, j in MLA_SITES]
     tau = 1.01 * max(float(m.max()) for m in before)
-    new, stats = jax.jit(lambda p, a: qk_clip(p, a, threshold=tau, cfg_model=cfg.model))(params, aux_for(cfg, before))
+    new, stats = jax.jit(lambda p, a: qk_clip(p, a, M.layout(cfg.model), threshold=tau, cfg_model=cfg.model))(params, aux_for(cfg, before))
     assert int(stats["clipped_heads"]) == 0
     assert float(stats["max_logit"]) == pytest.approx(tau / 1.01, rel=1e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new)):
@@ -494,7 +503,7 @@ def test_qk_clip_direct_q_proj():
 
     def logits(weights):
         s = jax.tree_util.tree_map_with_path(lambda kp, _: weights[param_path(kp)[-1]], st)
-        return np.asarray(nnx.merge(gdef, s)(x, seg, pos)[1])
+        return np.asarray(nnx.merge(gdef, s)(x, seg, pos)[1]["max_logits"])
 
     base = nnx.to_pure_dict(st)
     s0 = logits(base)
@@ -505,7 +514,7 @@ def test_qk_clip_direct_q_proj():
     params = {"periods": {"layers": {0: {"self_attn": stacked}}}}
     hot = jnp.asarray([[tau / 2, tau / 2], [s0[0], tau / 2]])
     new, stats = qk_clip(params, {"prefix": [], "periods": [{"max_logits": hot}], "tail": []},
-                         threshold=tau, cfg_model=m)
+                         Layout(prefix=(), period=1, num_periods=2, tail=()), threshold=tau, cfg_model=m)
     assert int(stats["clipped_heads"]) == 1
     out = new["periods"]["layers"][0]["self_attn"]
     s1 = logits({k: v[1] for k, v in out.items()})

@@ -94,8 +94,9 @@ def resolve_params_dir(path: str | Path) -> Path:
 
 
 def load_params(path: str | Path, abstract_params):
-    """Params-only restore (e.g. from converted weights) onto the target's shardings; shapes and
-    dtypes are checked against the model, and a mismatch names the first offending parameters."""
+    """Params-only restore (e.g. from converted weights) onto the target's shardings. The parameter
+    tree and every shape are checked against the model first, and a mismatch names the first
+    offending parameters; values are cast to the target's dtypes."""
     d = resolve_params_dir(path)
     ckptr = ocp.StandardCheckpointer()
     try:
@@ -106,14 +107,19 @@ def load_params(path: str | Path, abstract_params):
     return ckptr.restore(d, abstract_params)
 
 
-def load_extra(path: str | Path, rest):
-    """Router biases (the ``extra`` item beside ``params``) when the checkpoint has them; they decide
-    expert selection, so converted and trained weights need them too. Returns ``rest`` otherwise."""
+def load_extra(path: str | Path, abstract_rest):
+    """Router biases (the ``extra`` item beside ``params``) restored onto ``abstract_rest``'s
+    shardings. They decide expert selection, so a model with router biases cannot run correctly
+    without them: a checkpoint lacking the item raises CheckpointError (the caller decides whether
+    zeros are acceptable). A model without MoE layers has nothing to restore."""
+    if not jax.tree.leaves(abstract_rest):
+        return abstract_rest
     extra = resolve_params_dir(path).parent / "extra"
-    if not extra.is_dir() or not jax.tree.leaves(rest):
-        return rest
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rest)
-    return ocp.StandardCheckpointer().restore(extra, abstract)
+    if not extra.is_dir():
+        raise CheckpointError(f"load_parameters_path={path}: no 'extra' item (router biases) beside 'params'; "
+                              f"they decide which experts run. Re-convert the checkpoint, or set "
+                              f"allow_missing_router_biases=true to start them at zero")
+    return ocp.StandardCheckpointer().restore(extra, abstract_rest)
 
 
 def _flat(tree):

@@ -5,7 +5,7 @@
         dtype=bfloat16 weight_dtype=bfloat16 kda_impl=chunked moe_mode=capacity
 
 Builds the abstract train state (parameters, optimizer moments, router biases: shapes, dtypes and
-NamedShardings only, nothing allocated), lowers the real jitted train step (``train.make_train_step``)
+NamedShardings only, nothing allocated: ``state.abstract_state``), lowers the real jitted train step (``step.make_train_step``)
 and the decode step (``model.decode_step`` over a cache of ``max_target_length`` slots) against the
 topology's virtual devices and compiles them with libtpu. Prints per-device memory from
 ``memory_analysis()`` against the chip's HBM, XLA's FLOPs from ``cost_analysis()`` next to the
@@ -18,7 +18,6 @@ loop the XLA figure undercounts; the analytic figure is the one used for MFU (do
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -29,48 +28,18 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax import counts
-from k3jax import model as M
 from k3jax import topology as TP
-from k3jax.layers.common import RouterBias
-from k3jax.sharding import batch_sharding, make_mesh, param_sharding, sharding_for
+from k3jax.layers.common import is_variable
+from k3jax.sharding import batch_sharding, make_mesh, sharding_for
+from k3jax.state import abstract_state
+from k3jax.step import check_batch, jit_train_step
 
 
 class DoesNotFit(RuntimeError):
     """A compiled step needs more memory per device than the chip has."""
 
 
-# ---- abstract state ------------------------------------------------------------------------------
-
-def _sds(v, mesh):
-    """nnx.Variable holding a ShapeDtypeStruct -> the same Variable with its NamedSharding attached."""
-    return v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, v.shape, v.axes)))
-
-
-def abstract_model(cfg, mesh):
-    """(graphdef, params, rest) of ``M.build(cfg)`` as ShapeDtypeStructs with NamedShardings.
-
-    Built under ``jax.set_mesh(mesh)`` so kernels that check their target (the Pallas KDA) see the
-    topology's TPU devices, not the CPU host.
-    """
-    with jax.set_mesh(mesh):
-        model = nnx.eval_shape(lambda: M.build(cfg, 0))
-    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    params = jax.tree.map(lambda v: _sds(v, mesh), params, is_leaf=is_var)
-    rest = jax.tree.map(lambda v: _sds(v, mesh), rest, is_leaf=is_var)
-    return gdef, params, rest
-
-
-def abstract_train_state(cfg, mesh):
-    """-> (graphdef, optax tx, state) with state = {"params", "opt_state", "rest"} all abstract."""
-    from k3jax.optim import make_optimizer, opt_state_shardings
-    gdef, params, rest = abstract_model(cfg, mesh)
-    tx = make_optimizer(dataclasses.replace(cfg.train, gradient_accumulation_steps=1), params)
-    opt_shapes = jax.eval_shape(tx.init, params)
-    opt_sh = opt_state_shardings(tx, params)
-    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
-    return gdef, tx, {"params": params, "opt_state": opt_state, "rest": rest}
-
+# ---- abstract inputs (the state comes from k3jax.state.abstract_state) ---------------------------
 
 def abstract_batch(cfg, mesh, global_batch: int):
     """Train batch of [B,T]: int32 tokens/targets/segment_ids/positions and f32 loss_mask."""
@@ -81,9 +50,8 @@ def abstract_batch(cfg, mesh, global_batch: int):
             "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
 
 
-def abstract_cache(cfg, gdef, params, rest, mesh, batch: int, length: int):
+def abstract_cache(model, mesh, batch: int, length: int):
     """Decode cache of ``length`` slots for ``batch`` rows, sharded by its logical axes."""
-    model = nnx.merge(gdef, params, rest)
     spec = model.cache_spec(batch, length)
     leaf = lambda x: isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)  # noqa: E731
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], s[1], sharding=sharding_for(mesh, s[0], s[2])),
@@ -92,22 +60,11 @@ def abstract_cache(cfg, gdef, params, rest, mesh, batch: int, length: int):
 
 # ---- compilation -----------------------------------------------------------------------------------
 
-def check_batch(cfg, num_devices: int) -> int:
-    """Global batch for ``num_devices``; must split over the batch-sharded mesh axes and micro-batches."""
-    gb = cfg.global_batch_size(num_devices)
-    k = cfg.train.gradient_accumulation_steps
-    if gb % k:
-        raise C.ConfigError(f"global batch {gb} is not divisible by gradient_accumulation_steps={k}")
-    return gb
-
-
 def compile_train(cfg, mesh):
     """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
-    from k3jax.train import make_train_step
     gb = check_batch(cfg, mesh.devices.size)
-    gdef, tx, state = abstract_train_state(cfg, mesh)
-    shardings = jax.tree.map(lambda x: x.sharding, state)
-    step = jax.jit(make_train_step(cfg, gdef, tx, mesh), donate_argnums=0, out_shardings=(shardings, None))
+    gdef, state, tx = abstract_state(cfg, mesh, optimizer=True)
+    step = jit_train_step(cfg, gdef, tx, state)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, abstract_batch(cfg, mesh, gb)).compile()
@@ -118,14 +75,15 @@ def compile_decode(cfg, mesh):
     """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
     gb = cfg.global_batch_size(mesh.devices.size)
     length = cfg.train.max_target_length
-    gdef, params, rest = abstract_model(cfg, mesh)
-    cache = abstract_cache(cfg, gdef, params, rest, mesh, gb, length)
+    gdef, state, _ = abstract_state(cfg, mesh)
+    params, rest = state["params"], state["rest"]
+    cache = abstract_cache(nnx.merge(gdef, params, rest), mesh, gb, length)
     cache_sh = jax.tree.map(lambda x: x.sharding, cache)
     rows = batch_sharding(mesh, 1)
     scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def step(params, rest, tokens, cache, pos, start):
-        return nnx.merge(gdef, params, rest).decode_step(tokens, cache, pos, start, mesh=mesh)
+        return nnx.merge(gdef, params, rest).decode_step(tokens, cache, pos, start)
 
     fn = jax.jit(step, donate_argnums=3, out_shardings=(None, cache_sh))
     args = (params, rest, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows), cache,
@@ -213,9 +171,8 @@ def collective_bytes(cfg, params, mesh) -> dict:
     DCN, no latency; XLA may also gather a weight once for several uses or re-gather it."""
     m, t, k = cfg.model, cfg.train, cfg.kernel
     passes = 2 if t.remat_policy == "none" else 3
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     leaves = [(v.shape, jnp.dtype(v.dtype).itemsize, jax.tree.leaves(v)[0].sharding.spec, tuple(v.axes))
-              for v in jax.tree.leaves(params, is_leaf=is_var)]
+              for v in jax.tree.leaves(params, is_leaf=is_variable)]
     out = weight_collective_bytes(leaves, dict(mesh.shape), passes)
     ep = mesh.shape.get("expert", 1)
     moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
@@ -290,7 +247,7 @@ def run(cfg, out=print) -> dict:
     if cfg.compile.compile_step in ("train", "both"):
         compiled, secs, gb = compile_train(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
-        comm = collective_bytes(cfg, abstract_model(cfg, mesh)[1], mesh)
+        comm = collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh)
         est = train_estimate(cfg, gb, n, chip, cost, comm["total"])
         reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "collectives": comm, "compile_s": secs,
                             "global_batch": gb}

@@ -1,7 +1,7 @@
 """Parameter counts and analytic FLOPs per token, from the model config alone.
 
 The counts follow the checkpoint shapes of k3-architecture.md §8 (and §9 for Kimi Linear), one term
-per weight; `model.abstract()` must agree with them exactly (tested). FLOPs count a multiply-add as 2.
+per weight; `state.abstract_state()` must agree with them exactly (tested). FLOPs count a multiply-add as 2.
 
 Letters: D hidden, V vocab, H heads, dk/dv head dims, P = H*dk, C KDA chunk, T sequence length,
 E experts, k top-k, L routed width (latent), F expert width, S AttnRes sources.

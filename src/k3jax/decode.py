@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 
 from k3jax import config as C
-from k3jax import model as M
-from k3jax.checkpoint import CheckpointError, load_extra, load_params
+from k3jax.checkpoint import CheckpointError
 from k3jax.runtime import load_tokenizer
 from k3jax.sharding import make_mesh
+from k3jax.state import init_state, restore_model
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0):
@@ -37,22 +37,19 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0):
     return toks, seg, np.array([p - len(x) for x in prompts], np.int32)
 
 
-def _pad_mla(cache, total: int, axis: int):
-    if "c" not in cache:
-        return cache
-    pad = lambda x: jnp.pad(x, [(0, total - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])  # noqa: E731
-    return {k: pad(v) for k, v in cache.items()}
+def prefill(model, tokens, segment_ids, start, total_len: int):
+    """Prompt forward -> (last-position logits [B,V] f32, decode cache with room for total_len).
 
-
-def prefill(model, tokens, segment_ids, start, total_len: int, mesh=None):
-    """Prompt forward -> (last-position logits [B,V] f32, decode cache with room for total_len)."""
+    The prompt's caches cover its P slots; every leaf is zero-padded at the end up to the shape
+    ``model.cache_spec(B, total_len)`` gives it, in its dtype (the MLA latent cache grows along
+    ``cache_seq``; the KDA states have no length and keep their shape)."""
     positions = jnp.maximum(jnp.arange(tokens.shape[1])[None, :] - start[:, None], 0)
-    h, _, caches = model.hidden(tokens, segment_ids, positions, mesh=mesh, return_cache=True)
+    h, _, caches = model.hidden(tokens, segment_ids, positions, return_cache=True)
     logits = jnp.einsum("bd,dv->bv", h[:, -1], model.head_weight().astype(h.dtype),
                         preferred_element_type=jnp.float32)
-    cache = {"prefix": [_pad_mla(c, total_len, 1) for c in caches["prefix"]],
-             "periods": None if caches["periods"] is None else [_pad_mla(c, total_len, 2) for c in caches["periods"]],
-             "tail": [_pad_mla(c, total_len, 1) for c in caches["tail"]]}
+    spec = model.cache_spec(tokens.shape[0], total_len)
+    pad = lambda x, s: jnp.pad(x.astype(s[1]), [(0, want - have) for have, want in zip(x.shape, s[0])])  # noqa: E731
+    cache = jax.tree.map(pad, caches, spec)
     return logits, cache
 
 
@@ -74,8 +71,9 @@ def sample(logits, key, *, greedy: bool, temperature: float, top_k: int, top_p: 
 
 
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
-             temperature=1.0, top_k=0, top_p=1.0, seed=0, mesh=None, on_tokens=None, pad_id=0):
-    """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict)."""
+             temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0):
+    """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict). Call it
+    under ``jax.set_mesh(mesh)`` for a sharded model."""
     toks, seg, start = left_pad(prompts, pad_id)
     b, p = toks.shape
     total = p + max_new_tokens
@@ -85,7 +83,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
 
     @jax.jit
     def run_prefill(state, toks, seg, start):
-        return prefill(nnx.merge(gdef, state), toks, seg, start, total, mesh)
+        return prefill(nnx.merge(gdef, state), toks, seg, start, total)
 
     @jax.jit
     def run_decode(state, logits, cache, start, key):
@@ -100,7 +98,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
             if on_tokens is not None:
                 jax.debug.callback(on_tokens, c["i"], tok, ordered=True)
             done = c["done"] | jnp.isin(tok, stop)
-            logits, cache = m.decode_step(jnp.maximum(tok, 0), c["cache"], p + c["i"], start, mesh=mesh)
+            logits, cache = m.decode_step(jnp.maximum(tok, 0), c["cache"], p + c["i"], start)
             return {"i": c["i"] + 1, "done": done, "logits": logits, "cache": cache,
                     "out": c["out"].at[:, c["i"]].set(tok)}
 
@@ -129,13 +127,9 @@ def load_model(cfg, mesh):
     shardings (no random init first), or random weights with a loud warning."""
     if not cfg.checkpoint.load_parameters_path:
         print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
-        return M.create_sharded(cfg, mesh)
-    gdef, abs_params, abs_rest = M.abstract_split(cfg, mesh)
-    params = load_params(cfg.checkpoint.load_parameters_path, abs_params)
-    zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abs_rest),
-                    out_shardings=jax.tree.map(lambda a: a.sharding, abs_rest))()
-    rest = load_extra(cfg.checkpoint.load_parameters_path, zeros)
-    return nnx.merge(gdef, params, rest)
+        gdef, state, _ = init_state(cfg, mesh)
+        return nnx.merge(gdef, state["params"], state["rest"])
+    return restore_model(cfg, mesh)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
                                    stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
                                    temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
-                                   mesh=mesh, on_tokens=stream)
+                                   on_tokens=stream)
     except (C.ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

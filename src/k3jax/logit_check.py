@@ -66,42 +66,18 @@ def load_golden(path: str | None, vocab_size: int) -> tuple[np.ndarray, np.ndarr
     return tokens.astype(np.int32), logits
 
 
-def load_checkpoint_model(cfg, mesh):
-    """The model with ``load_parameters_path``'s weights, restored straight onto the mesh.
-
-    Restores into the abstract state (shapes + shardings from ``model.abstract``), so no random
-    initialisation is compiled or run first. Router biases come from the ``extra`` item; a checkpoint
-    without one keeps their initial value, zero, and a warning says so.
-    """
-    import jax
-    from flax import nnx
-
-    from k3jax import model as M
-    from k3jax.checkpoint import load_extra, load_params
-    from k3jax.layers.common import RouterBias
-    if not cfg.checkpoint.load_parameters_path:
-        raise C.ConfigError("load_parameters_path is not set; logit_check compares a checkpoint's logits")
-    gdef, abs_state = M.abstract(cfg)
-    shardings = M.state_shardings(abs_state, mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
-    gdef, params, rest = nnx.split(nnx.merge(gdef, target), nnx.Param, RouterBias)
-    params = load_params(cfg.checkpoint.load_parameters_path, params)
-    rest = load_extra(cfg.checkpoint.load_parameters_path, rest)
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(rest)):
-        print("WARNING: no 'extra' item with router biases beside params; using zero biases", file=sys.stderr)
-        rest = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), rest)
-    return nnx.merge(gdef, params, rest)
-
-
 def model_logits(cfg, tokens: np.ndarray) -> np.ndarray:
     """Logits [B,T,V] float32 of the model with load_parameters_path's weights."""
     import jax
     import jax.numpy as jnp
 
     from k3jax.sharding import make_mesh
+    from k3jax.state import restore_model
+    if not cfg.checkpoint.load_parameters_path:
+        raise C.ConfigError("load_parameters_path is not set; logit_check compares a checkpoint's logits")
     mesh = make_mesh(cfg)
     with jax.set_mesh(mesh):
-        model = load_checkpoint_model(cfg, mesh)
+        model = restore_model(cfg, mesh)
         logits = _forward()(model, jnp.asarray(tokens))
     return np.asarray(logits, np.float32)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak TFLOP/s per JAX device (Google Cloud TPU docs; NVIDIA datasheets, dense).
-# TPU7x shows two devices per chip, so its per-chip 2307 is halved here.
-PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v5p": 459.0,
-               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 1153.5, "NVIDIA H100": 989.0,
-               "NVIDIA H200": 989.0, "NVIDIA B200": 2250.0, "NVIDIA GB200": 2500.0}
+from k3jax.topology import chip_of_device_kind
+
+# Dense bf16 peak TFLOP/s per GPU (NVIDIA datasheets, dense). TPU peaks come from
+# k3jax.topology.CHIPS, the table the AOT compiler and the planner use.
+GPU_PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA B200": 2250.0, "NVIDIA GB200": 2500.0}
 
 _CPU_PEAK: float | None = None
 
@@ -35,7 +35,10 @@ def peak_tflops_per_device(override: float | None = None) -> float:
     if override:
         return override
     kind = jax.devices()[0].device_kind
-    for name, peak in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+    chip = chip_of_device_kind(kind)
+    if chip is not None:
+        return chip.peak_flops / 1e12   # per JAX device (TPU7x: half a chip)
+    for name, peak in sorted(GPU_PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
         if kind.startswith(name):
             return peak
     if _CPU_PEAK is None:

@@ -35,7 +35,8 @@ class Chip:
     devices_per_chip: int
     cores_per_chip: int           # TensorCores counted by the accelerator-type suffix
     dims: int                     # 3 = 3D torus slices (v5p, TPU7x); 2 = 2D (v5e, v6e)
-    ici_gbps_per_chip: float = 0.0  # ICI bandwidth into one chip, one direction, GB/s
+    ici_gbps_per_chip: float = 0.0  # ICI bandwidth into one chip, one direction, GB/s (0: unknown)
+    device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings of this chip (MFU on a live TPU)
 
     @property
     def hbm_bytes(self) -> float:
@@ -62,11 +63,18 @@ GiB = 1024 ** 3
 CHIPS = {
     # ICI: half the bidirectional per-chip figure (v5p: 1200 GB/s on the Cloud TPU page = its
     # 4800 Gbps; TPU7x: 1.2 TB/s bidirectional as announced; v6e 3584 Gbps; v5e 1600 Gbps).
-    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0),
-    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0),
-    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0),
-    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0),
+    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0, ("TPU v5p", "TPU v5")),
+    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0, ("TPU7x",)),
+    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0, ("TPU v6e", "TPU v6 lite")),
+    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0, ("TPU v5e", "TPU v5 lite")),
+    "v4": Chip("v4", 32 * GiB, 275.0, 1200.0, 1, 2, 3, 0.0, ("TPU v4",)),
 }
+
+
+def chip_of_device_kind(kind: str) -> Chip | None:
+    """The chip whose JAX ``device_kind`` is ``kind`` (longest matching prefix), or None."""
+    names = sorted(((n, c) for c in CHIPS.values() for n in c.device_kinds), key=lambda nc: -len(nc[0]))
+    return next((c for n, c in names if kind.startswith(n)), None)
 
 
 @dataclasses.dataclass(frozen=True)

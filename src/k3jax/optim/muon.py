@@ -14,8 +14,8 @@ full stacked shape, or None. That metadata alone decides the optimizer group:
 Variables that are not ``nnx.Param`` (``RouterBias``, updated by the balancing rule) are not in the
 parameter state the optimizer sees; nothing here can touch them.
 
-Update of one step (grads averaged over ``gradient_accumulation_steps`` micro-batches by
-``optax.MultiSteps`` when > 1)::
+Update of one step (with ``gradient_accumulation_steps`` > 1 the train step hands in the gradient
+already averaged over its micro-batches, see ``k3jax.step``)::
 
     g <- g with frozen leaves zeroed          (frozen grads must not inflate the clip norm)
     g <- clip_by_global_norm(g)               (gradient_clipping_threshold > 0)
@@ -47,6 +47,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from k3jax.config import FREEZABLE, ConfigError
+from k3jax.layers.common import is_variable
 from k3jax.optim.orthogonalize import MatrixSpec, scale_by_muon
 from k3jax.optim.schedule import make_schedule
 
@@ -57,10 +58,6 @@ Path = tuple[Any, ...]
 
 
 # ---- paths and metadata ------------------------------------------------------------------------
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
 
 def _key(k):
     """A key-path entry -> dict key / list index; None for the attribute that holds a Variable's
@@ -81,10 +78,10 @@ def param_path(keypath) -> Path:
 
 def variables_by_path(state) -> dict[Path, nnx.Variable]:
     """Flatten an nnx.State of nnx.Param Variables (concrete or abstract) to {path: Variable}."""
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
     out = {}
     for kp, v in flat:
-        if not _is_var(v):
+        if not is_variable(v):
             raise TypeError(f"{jax.tree_util.keystr(kp)}: expected nnx.Variable leaves carrying `axes` and "
                             f"`matrix` metadata (nnx.state(model, nnx.Param)), got {type(v).__name__}")
         if not isinstance(v, nnx.Param):
@@ -101,7 +98,7 @@ def _meta(v: nnx.Variable, name: str):
 
 def _map_vars(fn, state):
     """Replace each Variable of ``state`` by fn(path, variable); the result mirrors the State."""
-    return jax.tree_util.tree_map_with_path(lambda kp, v: fn(param_path(kp), v), state, is_leaf=_is_var)
+    return jax.tree_util.tree_map_with_path(lambda kp, v: fn(param_path(kp), v), state, is_leaf=is_variable)
 
 
 def _by_path(table: dict[Path, Any], what: str):
@@ -241,10 +238,6 @@ def param_labels(state, train_cfg) -> dict[Path, str]:
 
 # ---- the optimizer -----------------------------------------------------------------------------
 
-def _mu_dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
 def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
     """Build the optimizer for the params in ``state`` (an nnx.State of Variables with metadata,
     concrete or abstract: only paths and metadata are read).
@@ -257,10 +250,8 @@ def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
     t = train_cfg
     if t.opt_type not in ("muon", "adamw"):
         raise ConfigError(f"opt_type={t.opt_type!r}: must be muon or adamw")
-    if t.gradient_accumulation_steps < 1:
-        raise ConfigError(f"gradient_accumulation_steps={t.gradient_accumulation_steps}: must be >= 1")
     lr = make_schedule(t)
-    mu_dtype = _mu_dtype(t.mu_dtype)
+    mu_dtype = jnp.dtype(t.mu_dtype)
     labels = param_labels(state, t)
     transforms = {
         "adam": optax.adamw(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps, mu_dtype=mu_dtype,
@@ -283,17 +274,14 @@ def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
     if t.gradient_clipping_threshold > 0:
         parts.append(optax.clip_by_global_norm(t.gradient_clipping_threshold))
     parts.append(optax.partition(transforms, _by_path(labels, "optimizer groups")))
-    tx = optax.chain(*parts)
-    if t.gradient_accumulation_steps > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=t.gradient_accumulation_steps).gradient_transformation()
-    return tx
+    return optax.chain(*parts)
 
 
 # ---- sharded optimizer state -------------------------------------------------------------------
 
 def opt_state_shardings(tx: optax.GradientTransformation, params):
-    """NamedShardings for ``tx.init(params)``: every param-shaped moment (Muon/Adam mu, nu, the
-    accumulated gradients of MultiSteps) takes its parameter's sharding, everything else (step
+    """NamedShardings for ``tx.init(params)``: every param-shaped moment (Muon/Adam mu, nu) takes
+    its parameter's sharding, everything else (step
     counts, Newton-Schulz coefficients) is replicated.
 
     ``params``: arrays or ShapeDtypeStructs carrying NamedShardings (concrete or abstract state, so

@@ -8,9 +8,8 @@ steps)), so step 0 has lr 0 and step W reaches the peak. After it:
 - ``cosine``: half a cosine from the peak at W to ``lr_final_fraction * peak`` at ``steps``.
 - ``constant``: the peak (``lr_final_fraction`` is not used).
 
-Past ``steps`` every schedule holds its final value. Steps count optimizer updates (with gradient
-accumulation, one per ``gradient_accumulation_steps`` micro-batches: ``optax.MultiSteps`` calls the
-inner optimizer, and so the schedule, once per update).
+Past ``steps`` every schedule holds its final value. Steps count optimizer updates: one per train
+step, whatever ``gradient_accumulation_steps`` is (the micro-batches are scanned inside the step).
 """
 from __future__ import annotations
 

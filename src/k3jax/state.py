@@ -1,0 +1,138 @@
+"""The model state, described once: abstract (shapes, dtypes, shardings), initialised, restored.
+
+Every entry point starts here. ``abstract_state`` is the single description of what lives on the
+devices (parameters, router biases and, for training, the optimizer moments): each leaf is a
+``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` derived from the logical axes its parameter
+declared (``layers.common.param``). From it:
+
+- ``init_state`` materialises random parameters straight into those shardings;
+- ``restore_state`` / ``restore_model`` read ``load_parameters_path`` into them (no random init
+  first); the train loop restores full checkpoints into the same targets;
+- ``k3jax.compile`` lowers the train and decode steps against it for a TPU topology.
+
+State layout: ``{"params": nnx.State of nnx.Param, "rest": nnx.State of RouterBias,
+"opt_state": optax state}`` (``opt_state`` only with an optimizer). Parameters stay nnx Variables
+so their metadata (logical axes, matrix axes) travels with them to the optimizer and the planner.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k3jax import model as M
+from k3jax.checkpoint import CheckpointError, load_extra, load_params
+from k3jax.config import ConfigError
+from k3jax.layers.common import RouterBias
+from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
+from k3jax.sharding import param_sharding
+
+
+def _with_shardings(state, mesh):
+    """Variables holding ShapeDtypeStructs with the NamedSharding of their logical axes."""
+    return jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, v.shape, v.axes))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shardings(state):
+    """The NamedSharding of every leaf of a (concrete or abstract) state."""
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def abstract_state(cfg, mesh=None, *, optimizer: bool = False):
+    """-> (graphdef, state, tx): the state as ShapeDtypeStructs, allocating nothing (works for the
+    full 2.78T kimi-k3 as for the tiny config); with a ``mesh`` every leaf carries its NamedSharding.
+
+    state = {"params", "rest"} and, with ``optimizer``, "opt_state" (the moments take their
+    parameters' shardings); tx is the optax optimizer then, else None. Built under the mesh so
+    kernels that check their target (the Pallas KDA) see the mesh's devices, not the host.
+    """
+    def build():
+        return nnx.eval_shape(lambda: M.build(cfg, nnx.Rngs(0)))
+
+    if mesh is None:
+        model = build()
+    else:
+        with jax.set_mesh(mesh):
+            model = build()
+    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
+    if mesh is not None:
+        params, rest = _with_shardings(params, mesh), _with_shardings(rest, mesh)
+    state = {"params": params, "rest": rest}
+    tx = None
+    if optimizer:
+        tx = make_optimizer(cfg.train, params)
+        state["opt_state"] = jax.eval_shape(tx.init, params)
+        if mesh is not None:
+            state["opt_state"] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                              state["opt_state"], opt_state_shardings(tx, params))
+    return gdef, state, tx
+
+
+def init_state(cfg, mesh, *, seed: int | None = None, optimizer: bool = False):
+    """-> (graphdef, state, tx) with random parameters (``seed``, default ``cfg.train.seed``) born in
+    their shardings, zero router biases and, with ``optimizer``, fresh moments.
+
+    Pod-scale models are initialised by a jit whose out_shardings place every shard where it lives
+    (nothing is gathered on one host). Models below ``model.FLAT_INIT_MAX_PARAMS`` fit one device by
+    construction; they are built eagerly and then placed, because XLA:CPU's SPMD partitioning of
+    the init graph alone took ~100 s for the tiny config on 8 devices.
+    """
+    seed = cfg.train.seed if seed is None else seed
+    gdef, abstract, _ = abstract_state(cfg, mesh)
+    target = shardings(abstract)
+
+    def init():
+        _, params, rest = nnx.split(M.build(cfg, seed), nnx.Param, RouterBias)
+        return {"params": params, "rest": rest}
+
+    if M.count_params(abstract["params"]) <= M.FLAT_INIT_MAX_PARAMS:
+        state = jax.device_put(init(), target)
+    else:
+        with jax.set_mesh(mesh):
+            state = jax.jit(init, out_shardings=target)()
+    return gdef, *_add_optimizer(cfg, mesh, state, optimizer)
+
+
+def _add_optimizer(cfg, mesh, state, optimizer: bool):
+    if not optimizer:
+        return state, None
+    tx = make_optimizer(cfg.train, state["params"])
+    with jax.set_mesh(mesh):
+        state = dict(state, opt_state=init_sharded(tx, state["params"]))  # moments born sharded
+    return state, tx
+
+
+def restore_state(cfg, mesh, *, optimizer: bool = False):
+    """-> (graphdef, state, tx) with the parameters and router biases of ``load_parameters_path``
+    (a converter output, a checkpoint step, a run directory) read straight into their shardings,
+    and, with ``optimizer``, fresh moments (fine-tuning starts a new optimizer).
+
+    A model with MoE layers needs the checkpoint's ``extra`` item (router biases: they decide which
+    experts run); a checkpoint without one is an error unless ``allow_missing_router_biases=true``,
+    which starts the biases at zero.
+    """
+    path = cfg.checkpoint.load_parameters_path
+    if not path:
+        raise ConfigError("load_parameters_path is not set; pass the converter's output directory or a "
+                          "checkpoint step directory")
+    gdef, abstract, _ = abstract_state(cfg, mesh)
+    params = load_params(path, abstract["params"])
+    try:
+        rest = load_extra(path, abstract["rest"])
+    except CheckpointError:
+        if not cfg.checkpoint.allow_missing_router_biases:
+            raise
+        print(f"note: {path} has no router biases ('extra' item); starting them at zero "
+              f"(allow_missing_router_biases=true)", file=sys.stderr)
+        rest = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract["rest"])
+    return gdef, *_add_optimizer(cfg, mesh, {"params": params, "rest": rest}, optimizer)
+
+
+def restore_model(cfg, mesh) -> M.K3Model:
+    """The model with ``load_parameters_path``'s weights on ``mesh`` (decode, logit_check, serving)."""
+    gdef, state, _ = restore_state(cfg, mesh)
+    return nnx.merge(gdef, state["params"], state["rest"])

@@ -1,0 +1,165 @@
+"""The train step as a library: the jitted optimizer step, and the batches it eats.
+
+One step = one optimizer update. With ``gradient_accumulation_steps`` = k the global batch is split
+into k micro-batches along its rows, scanned, and their token-weighted gradients summed in f32, so k
+micro-batches of B rows give the update of one batch of k x B rows. After the update: QK-clip on
+the MLA heads from the max logits the forward returned, and the aux-loss-free router-bias update
+from the expert loads it returned. Used by ``k3jax.train``, ``k3jax.compile`` and the benchmarks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from k3jax.config import ConfigError
+from k3jax.kernels.moe import balance
+from k3jax.layers.common import RouterBias
+from k3jax.loss import chunked_cross_entropy
+from k3jax.optim import qk_clip
+from k3jax.sharding import batch_sharding
+
+
+# ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
+
+def moe_loads(layout, aux):
+    """All MoE layers' expert loads as one [L_moe, E] array (balance metrics), or None."""
+    loads = []
+    for site, a in layout.items(aux):
+        if "expert_load" in a:
+            x = a["expert_load"]
+            loads.extend(list(x) if site.stacked else [x])
+    return jnp.stack(loads) if loads else None
+
+
+def mean_aux(layout, aux, key):
+    """Mean of a per-layer scalar ``key`` over the layers that report it (0 when none does)."""
+    vals = [jnp.sum(a[key]) for _, a in layout.items(aux) if key in a]
+    n = sum(len(s.layers) for s, a in layout.items(aux) if key in a)
+    return sum(vals) / n if vals else jnp.zeros((), jnp.float32)
+
+
+def update_router_biases(model, aux, rate):
+    """Aux-loss-free balancing: bias += rate * sign(mean load - load), per MoE layer (stacked [n, E]
+    biases and loads update elementwise, each layer from its own loads)."""
+    for site, a in model.layout.items(aux):
+        if "expert_load" in a:
+            moe = model.layer(site).mlp
+            moe.e_score_correction_bias[...] = balance.update_bias(moe.e_score_correction_bias[...],
+                                                                   a["expert_load"], rate)
+
+
+def _reduce_micro_aux(auxs):
+    """Combine per-micro-batch side outputs (leading axis k): max logits by max, loads by sum."""
+    def red(path, x):
+        name = jax.tree_util.keystr(path[-1:])
+        if "max_logits" in name:
+            return jnp.max(x, 0)
+        return jnp.sum(x, 0) if "expert_load" in name else jnp.mean(x, 0)
+    return jax.tree_util.tree_map_with_path(red, auxs)
+
+
+# ---- the step ---------------------------------------------------------------------------------
+
+def make_train_step(cfg, gdef, tx):
+    """step(state, batch) -> (new state, metrics) for state = {"params", "opt_state", "rest"} and a
+    batch of [B, T] arrays (tokens, targets, segment_ids, positions, loss_mask). Trace it under
+    ``jax.set_mesh(mesh)``: the model reads the ambient mesh (expert parallelism, constraints)."""
+    t = cfg.train
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(gdef, params, rest)
+        h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
+                                 remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0)
+        with jax.named_scope("loss"):
+            loss_sum, weight, correct = chunked_cross_entropy(h, model.head_weight(), batch["targets"],
+                                                              batch["loss_mask"], chunk=cfg.kernel.loss_chunk_size,
+                                                              z_loss_weight=t.z_loss_weight)
+        loss = loss_sum / jnp.maximum(weight, 1.0)
+        total = loss + t.moe_aux_loss_coef * mean_aux(model.layout, aux, "aux_loss")
+        return total, (loss, weight, correct, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state, batch):
+        params, opt_state, rest = state["params"], state["opt_state"], state["rest"]
+        k = t.gradient_accumulation_steps
+        if k == 1:
+            (_, (loss, weight, correct, aux)), grads = grad_fn(params, rest, batch)
+        else:  # micro-batches along the batch axis, token-weighted gradients summed in f32
+            micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+            def body(acc, mb):
+                (_, (l, w, c, a)), g = grad_fn(params, rest, mb)
+                acc = jax.tree.map(jnp.add, acc, (jax.tree.map(lambda x: x * w, g), l * w, w, c))
+                return acc, a
+            zeros = (jax.tree.map(jnp.zeros_like, params), 0.0, 0.0, 0.0)
+            (gsum, lsum, weight, correct), auxs = jax.lax.scan(body, zeros, micro)
+            grads = jax.tree.map(lambda g: g / jnp.maximum(weight, 1.0), gsum)
+            loss = lsum / jnp.maximum(weight, 1.0)
+            aux = _reduce_micro_aux(auxs)
+        model = nnx.merge(gdef, params, rest)
+        layout = model.layout
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": weight,
+                   "accuracy": correct / jnp.maximum(weight, 1)}
+        if t.use_qk_clip and any("max_logits" in a for _, a in layout.items(aux)):
+            new_params, clip = qk_clip(new_params, aux, layout, threshold=t.qk_clip_threshold, cfg_model=cfg.model)
+            metrics["qk_clipped_heads"] = clip["clipped_heads"]
+            metrics["max_logit"] = clip["max_logit"]
+        model = nnx.merge(gdef, new_params, rest)
+        if t.router_bias_update_rate > 0:
+            update_router_biases(model, aux, t.router_bias_update_rate)
+        new_rest = nnx.state(model, RouterBias)
+        loads = moe_loads(layout, aux)
+        if loads is not None:
+            metrics["expert_load_max_over_mean"] = jnp.mean(jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1e-9))
+            metrics["dropped_fraction"] = mean_aux(layout, aux, "dropped_fraction")
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        metrics["finite"] = finite
+        if t.nan_policy == "skip":  # keep the old state on a non-finite step
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_params, new_opt, new_rest = keep(new_params, params), keep(new_opt, opt_state), keep(new_rest, rest)
+        return {"params": new_params, "opt_state": new_opt, "rest": new_rest}, metrics
+
+    return step
+
+
+def jit_train_step(cfg, gdef, tx, state):
+    """The jitted step with the state donated and its output shardings pinned to ``state``'s (a
+    concrete or abstract state): otherwise the compiler may pick other output shardings, and the
+    next call would recompile or reject its input (ecosystem.md §1)."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(make_train_step(cfg, gdef, tx), donate_argnums=0, out_shardings=(shardings, None))
+
+
+# ---- batches ----------------------------------------------------------------------------------
+
+def check_batch(cfg, num_devices: int) -> int:
+    """Global batch for ``num_devices``; it must split into the gradient-accumulation micro-batches."""
+    gb = cfg.global_batch_size(num_devices)
+    k = cfg.train.gradient_accumulation_steps
+    if gb % k:
+        raise ConfigError(f"global batch {gb} is not divisible by gradient_accumulation_steps={k}")
+    return gb
+
+
+def data_iterator(cfg, global_batch: int, tokenizer=None):
+    """This process's share of the training batches (a checkpointable grain iterator)."""
+    from k3jax.data import pipeline as P
+    per_host = global_batch // jax.process_count()
+    return P.make_pipeline(dataset_type=cfg.data.dataset_type, paths=cfg.data.dataset_path, tokenizer=tokenizer,
+                           seq_len=cfg.train.max_target_length, batch_size=per_host, seed=cfg.data.data_seed,
+                           shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
+                           vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key)
+
+
+def global_batch(batch, mesh, rows: int):
+    """This process's rows of a batch -> global [rows, ...] arrays sharded over the batch axes."""
+    sh = batch_sharding(mesh, 2)
+    return {k: jax.make_array_from_process_local_data(sh, np.asarray(v), (rows,) + v.shape[1:])
+            for k, v in batch.items()}
