@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from test_kda_chunked import make_inputs, rel
+from helpers import make_inputs, rel
 
 from k3jax.kernels.kda import kda_chunked, kda_decode_step, short_conv, short_conv_step
 

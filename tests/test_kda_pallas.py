@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import BF16_TOL, F32_TOL, assert_close, make_inputs, run, run_reference
 from tpu_aot import run_aot_script
-from test_kda_chunked import BF16_TOL, F32_TOL, assert_close, make_inputs, run, run_reference
 
 from k3jax.kernels.kda import KDA_IMPLS, get_kda_fn, kda_pallas
 

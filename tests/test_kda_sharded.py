@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from helpers import F32_TOL, assert_close, make_inputs, run_reference
 from tpu_aot import run_aot_script
-from test_kda_chunked import F32_TOL, assert_close, make_inputs, run_reference
 
 from k3jax import sharding
 from k3jax.kernels.kda import get_kda_fn, kda_chunked, kda_pallas, shard_kda

@@ -91,7 +91,7 @@ def test_latent_decode_attention_equals_expanded_attention():
 def test_blocked_attention_equals_plain_with_gradients():
     """Query blocks (T not a multiple of the block, documents crossing blocks) == the plain path,
     outputs, max logit and the gradients of q, k, v."""
-    from k3jax.kernels.attention.reference import blocked_attention
+    from k3jax.kernels.attention.prefill import blocked_attention
     q, k, v = _qkv(3, t=37)
     seg = jnp.array([[1] * 9 + [2] * 20 + [3] * 8, [1] * 37])
     w = jax.random.normal(jax.random.PRNGKey(7), (2, 37, 3, 5))

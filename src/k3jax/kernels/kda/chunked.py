@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from k3jax.kernels.kda.common import compute_dtype, match_vma, reset_flags
 from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
-from k3jax.kernels.kda.reference import compute_dtype, match_vma, reset_flags
 
 _HI = lax.Precision.HIGHEST
 

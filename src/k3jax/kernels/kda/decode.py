@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from k3jax.kernels.kda.reference import compute_dtype
+from k3jax.kernels.kda.common import compute_dtype
 
 _HI = lax.Precision.HIGHEST
 

@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.kernels.kda.chunked import check_inputs, chunk_resets, from_chunks, to_chunks
+from k3jax.kernels.kda.common import compute_dtype, match_vma
 from k3jax.kernels.kda.intra import IntraOut, intra_backward, intra_forward
-from k3jax.kernels.kda.reference import compute_dtype, match_vma
 
 _F32 = jnp.float32
 
