@@ -50,7 +50,9 @@ def test_no_silent_fallback_off_tpu():
         get_kda_fn("pallas_tpu")
     with pytest.raises(ValueError, match="chunked.*pallas_tpu.*reference"):
         get_kda_fn("pallas")
-    fn = get_kda_fn("pallas_tpu", interpret=True)
+    with pytest.raises(ValueError, match="batch_axes"):
+        get_kda_fn("pallas_tpu", interpret=True)
+    fn = get_kda_fn("pallas_tpu", interpret=True, batch_axes=("data",), head_axis=None)
     o, S = jax.jit(fn)(q, q, q, q, jnp.zeros((1, 8, 1)))
     assert o.shape == (1, 8, 1, 16) and S.shape == (1, 1, 16, 16)
     assert get_kda_fn("chunked") is KDA_IMPLS["chunked"]

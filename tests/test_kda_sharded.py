@@ -19,7 +19,6 @@ from tpu_aot import run_aot_script
 
 from k3jax import sharding
 from k3jax.kernels.kda import get_kda_fn, kda_chunked, kda_pallas, shard_kda
-from k3jax.kernels.kda.sharded import BATCH_AXES, HEAD_AXIS
 
 AXES = ("data", "fsdp", "expert", "tensor")
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
@@ -32,8 +31,12 @@ def _mesh(shape=(2, 2, 1, 2), axis_type=AxisType.Auto):
     return jax.make_mesh(shape, AXES, axis_types=(axis_type,) * 4, devices=jax.devices()[:n])
 
 
+BATCH_AXES, HEAD_AXIS = sharding.BATCH_AXES, sharding.HEAD_AXIS
+KDA_AXES = dict(batch_axes=BATCH_AXES, head_axis=HEAD_AXIS)
+
+
 def test_axes_follow_the_sharding_rules():
-    """The wrapper's default axes are the activation rules' (kernels do not import sharding)."""
+    """The axes the layer hands the wrapper are the activation rules' (kernels do not import sharding)."""
     assert BATCH_AXES == sharding.RULES["batch"]
     assert HEAD_AXIS == sharding.RULES["act_heads"]
     assert sharding.RULES["seq"] is None                   # time is never split
@@ -47,7 +50,7 @@ def _out_and_grads(args, seg, cots, fn, use_h0):
     return out + vjp(cots)
 
 
-PALLAS = get_kda_fn("pallas_tpu", interpret=True)
+PALLAS = get_kda_fn("pallas_tpu", interpret=True, **KDA_AXES)
 
 # id, B, T, H, K, V, segments, initial state, expected (batch, head) entries on data2 fsdp2 tensor2
 CASES = [
@@ -115,7 +118,7 @@ def test_unsharded_and_nested_calls():
 def test_explicit_mesh_is_refused():
     q = jnp.zeros((4, 16, 2, 16))
     explicit = shard_kda(functools.partial(kda_pallas, interpret=True),
-                         _mesh(axis_type=AxisType.Explicit))
+                         _mesh(axis_type=AxisType.Explicit), **KDA_AXES)
     with pytest.raises(ValueError, match="Explicit"):
         explicit(q, q, q, q, jnp.zeros((4, 16, 2)))
 
@@ -127,8 +130,10 @@ _AOT_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.experimental import topologies
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from k3jax import sharding
     from k3jax.kernels.kda import get_kda_fn, kda_pallas
 
+    KDA_AXES = dict(batch_axes=sharding.BATCH_AXES, head_axis=sharding.HEAD_AXIS)
     COLLECTIVES = %r
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
     mesh = jax.make_mesh((2, 1, 1, 2), ("data", "fsdp", "expert", "tensor"), devices=devices,
@@ -152,8 +157,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         return [("fwd", fwd), ("bwd", jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))]
 
     with jax.set_mesh(mesh):
-        for label, fn, H in [("mapped", get_kda_fn("pallas_tpu"), 2),
-                             ("mapped", get_kda_fn("pallas_tpu"), 1), ("bare", kda_pallas, 2)]:
+        for label, fn, H in [("mapped", get_kda_fn("pallas_tpu", **KDA_AXES), 2),
+                             ("mapped", get_kda_fn("pallas_tpu", **KDA_AXES), 1), ("bare", kda_pallas, 2)]:
             for name, f in passes(fn):
                 row = {"fn": label, "heads": H, "pass": name}
                 try:

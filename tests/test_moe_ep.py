@@ -23,6 +23,7 @@ from k3jax.kernels.moe.expert_parallel import padded_ragged_all_to_all
 
 N, D, F, E, K = 64, 16, 24, 8, 2
 NAMES = ("data", "fsdp", "expert")
+AXES = dict(expert_axis="expert", token_axes=("data", "fsdp"))   # the test meshes' names
 
 
 def swiglu(g, u):
@@ -101,7 +102,7 @@ def _ep_dropless(case):
     mesh = _mesh(shape, axis_type)
     d_axes = ("fsdp",) if fsdp_weights and axis_type == AxisType.Auto else None
     return _loss_and_grads(lambda *a: moe_expert_parallel(
-        *a, swiglu, mesh=mesh, impl=impl, interpret=True, transport="padded",
+        *a, swiglu, mesh=mesh, **AXES, impl=impl, interpret=True, transport="padded",
         weight_d_axes=d_axes))
 
 
@@ -125,7 +126,7 @@ def test_ep_capacity_matches_single_device():
     x, w, idx, wg, wu, wd, ct = _problem("hot")
     wg_s, wu_s, wd_s = _shard_weights(mesh, wg, wu, wd, True)
     ep = lambda cf: _loss_and_grads(lambda *a: moe_expert_parallel(
-        *a, swiglu, mesh=mesh, mode="capacity", capacity_factor=cf))
+        *a, swiglu, mesh=mesh, **AXES, mode="capacity", capacity_factor=cf))
     # Huge capacity: nothing dropped, equals dropless.
     got = ep(E / K)(x, w, wg_s, wu_s, wd_s, idx, ct)
     _assert_same(got, _single_dropless(x, w, wg, wu, wd, idx, ct))
@@ -174,12 +175,12 @@ def test_ep_rejects_bad_layouts():
     mesh = _mesh((1, 2, 4))
     x, w, idx, wg, wu, wd, _ = _problem("random")
     with pytest.raises(ValueError, match="lacks axes"):
-        moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, token_axes=("pod",))
+        moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, expert_axis="expert", token_axes=("pod",))
     bad = jax.device_put(wg, NamedSharding(mesh, P("expert", None, "fsdp")))
     with pytest.raises(ValueError, match="ffn dim"):
-        moe_expert_parallel(x, w, idx, bad, wu, wd, swiglu, mesh=mesh)
+        moe_expert_parallel(x, w, idx, bad, wu, wd, swiglu, mesh=mesh, **AXES)
     with pytest.raises(ValueError, match="capacity_factor"):
-        moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, mode="capacity")
+        moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, **AXES, mode="capacity")
 
 
 def test_dispatch_bytes_per_token_k3():
@@ -216,7 +217,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                dict(impl="ragged_dot", transport="ragged"),
                dict(mode="capacity", capacity_factor=1.25)):
         def loss(x, w, idx, wg, wu, wd):
-            out = moe_expert_parallel(x, w, idx, wg, wu, wd, act, mesh=mesh, **kw)
+            out = moe_expert_parallel(x, w, idx, wg, wu, wd, act, mesh=mesh, expert_axis="expert",
+                                      token_axes=("data", "fsdp"), **kw)
             return jnp.sum(out[0] if isinstance(out, tuple) else out)
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 3, 4, 5)))
         hlo = step.trace(*args).lower().compile().as_text()

@@ -12,6 +12,7 @@ from flax import nnx
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
 from k3jax.layers.common import l2_normalize, ones, param, rms_norm, zeros
+from k3jax import sharding as S
 from k3jax.sharding import constrain
 
 
@@ -31,7 +32,8 @@ class KDA(nnx.Module):
         d, h, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
         p, w, std = h * dk, cfg.kda_conv_size, cfg.initializer_range
         self.cfg, self.num_heads, self.head_dim = cfg, h, dk
-        self.core = get_kda_fn(kcfg.kda_impl, interpret=kcfg.pallas_interpret)
+        self.core = get_kda_fn(kcfg.kda_impl, interpret=kcfg.pallas_interpret, batch_axes=S.BATCH_AXES,
+                               head_axis=S.HEAD_AXIS)
         self.chunk_size = kcfg.kda_chunk_size
         mat = dict(std=std, dtype=dtype, matrix=(0, 1))
         self.q_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)

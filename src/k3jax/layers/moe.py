@@ -54,7 +54,7 @@ class MoE(nnx.Module):
 
         With an ``expert`` axis of size > 1 in the ambient mesh (``jax.set_mesh``), experts are
         dispatched expert-parallel; otherwise locally."""
-        c, k = self.cfg, self.kcfg
+        c = self.cfg
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
         with jax.named_scope("router"):

@@ -26,20 +26,25 @@ KDA_IMPLS = {
 }
 
 
-def get_kda_fn(name: str, *, interpret: bool = False):
+def get_kda_fn(name: str, *, interpret: bool = False, batch_axes=None, head_axis=None):
     """The KDA core called `name` (a key of KDA_IMPLS) with the common signature.
 
     `interpret` only concerns "pallas_tpu": True runs its kernels in the Pallas interpreter;
     False requires a TPU target and raises RuntimeError otherwise (never a silent fallback).
-    "pallas_tpu" comes wrapped in `shard_kda` (ambient mesh): GSPMD cannot partition a Mosaic
-    custom call, so on a multi-device mesh each device runs the kernels on its own batch rows
-    and heads. "reference" and "chunked" are plain XLA that GSPMD partitions itself.
+    "pallas_tpu" comes wrapped in `shard_kda` (ambient mesh) over `batch_axes` / `head_axis`, the
+    mesh axes of the activations' rows and heads (required for it): GSPMD cannot partition a
+    Mosaic custom call, so on a multi-device mesh each device runs the kernels on its own batch
+    rows and heads. "reference" and "chunked" are plain XLA that GSPMD partitions itself.
     """
     if name not in KDA_IMPLS:
         raise ValueError(f"unknown KDA implementation {name!r}; valid: {sorted(KDA_IMPLS)}")
     if name == "pallas_tpu":
         check_platform(interpret)
-        return shard_kda(functools.partial(kda_pallas, interpret=interpret))
+        if batch_axes is None:
+            raise ValueError("pallas_tpu needs batch_axes (and head_axis): the mesh axes it maps rows "
+                             "(and heads) over")
+        return shard_kda(functools.partial(kda_pallas, interpret=interpret), batch_axes=batch_axes,
+                         head_axis=head_axis)
     return KDA_IMPLS[name]
 
 

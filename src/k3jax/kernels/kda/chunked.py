@@ -22,14 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from k3jax.kernels.kda.common import compute_dtype, match_vma, reset_flags
+from k3jax.kernels.kda.common import compute_dtype, match_vma, mm, reset_flags
 from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
 
-_HI = lax.Precision.HIGHEST
-
-
-def _mm(spec: str, *xs):
-    return jnp.einsum(spec, *xs, precision=_HI)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,9 +105,9 @@ def walk_forward(f: IntraOut, h0: jax.Array):
     """
     def step(S, xs):
         aqk, w, u, qg, kg, dec = xs
-        vn = u - _mm("...ck,...kv->...cv", w, S)
-        o = _mm("...ck,...kv->...cv", qg, S) + _mm("...cj,...jv->...cv", aqk, vn)
-        S_next = dec[..., None] * S + _mm("...ck,...cv->...kv", kg, vn)
+        vn = u - mm("...ck,...kv->...cv", w, S)
+        o = mm("...ck,...kv->...cv", qg, S) + mm("...cj,...jv->...cv", aqk, vn)
+        S_next = dec[..., None] * S + mm("...ck,...cv->...kv", kg, vn)
         return S_next, (o, S)
 
     S, (o, states) = lax.scan(step, match_vma(h0, f.u), tuple(f))
@@ -127,14 +122,14 @@ def walk_backward(f: IntraOut, states: jax.Array, do: jax.Array, dS: jax.Array):
     """
     def step(dS, xs):
         aqk, w, u, qg, kg, dec, S, do_c = xs
-        vn = u - _mm("...ck,...kv->...cv", w, S)
-        dvn = _mm("...ij,...iv->...jv", aqk, do_c) + _mm("...ck,...kv->...cv", kg, dS)
-        daqk = _mm("...iv,...jv->...ij", do_c, vn)
-        dqg = _mm("...cv,...kv->...ck", do_c, S)
-        dw = -_mm("...cv,...kv->...ck", dvn, S)
-        dkg = _mm("...cv,...kv->...ck", vn, dS)
-        dS_prev = (dec[..., None] * dS + _mm("...ck,...cv->...kv", qg, do_c)
-                   - _mm("...ck,...cv->...kv", w, dvn))
+        vn = u - mm("...ck,...kv->...cv", w, S)
+        dvn = mm("...ij,...iv->...jv", aqk, do_c) + mm("...ck,...kv->...cv", kg, dS)
+        daqk = mm("...iv,...jv->...ij", do_c, vn)
+        dqg = mm("...cv,...kv->...ck", do_c, S)
+        dw = -mm("...cv,...kv->...ck", dvn, S)
+        dkg = mm("...cv,...kv->...ck", vn, dS)
+        dS_prev = (dec[..., None] * dS + mm("...ck,...cv->...kv", qg, do_c)
+                   - mm("...ck,...cv->...kv", w, dvn))
         return dS_prev, (daqk, dw, dvn, dqg, dkg, dS)
 
     dh0, (*d, dS_all) = lax.scan(step, match_vma(dS, do), (*f, states, do), reverse=True)

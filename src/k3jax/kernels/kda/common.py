@@ -12,6 +12,12 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def mm(spec: str, *xs):
+    """einsum at HIGHEST precision (the chunked path's f32 algebra: XLA's default precision may
+    round f32 matmul operands to bf16 on TPU, far outside the parity tolerances)."""
+    return jnp.einsum(spec, *xs, precision=lax.Precision.HIGHEST)
+
+
 def compute_dtype(*arrays) -> jnp.dtype:
     """float32, or float64 when any input is float64 (only possible with jax_enable_x64)."""
     return jnp.result_type(jnp.float32, *[a.dtype for a in arrays if a is not None])

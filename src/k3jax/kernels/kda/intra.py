@@ -32,15 +32,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from k3jax.kernels.kda.common import mm
 
 SUB = 16  # chunk sizes are multiples of the first relation level (and powers of two)
 LEVELS = (16, 4)  # block rows per level of the relation matrices (the last is elementwise)
-_HI = lax.Precision.HIGHEST
-
-
-def _mm(spec: str, *xs):
-    return jnp.einsum(spec, *xs, precision=_HI)
 
 
 def _blocks(x: jax.Array, bs: int) -> jax.Array:
@@ -81,7 +77,7 @@ def cumsum_rows(x: jax.Array, *, reverse: bool = False, exclusive: bool = False)
     tri = (i[None, :] >= i[:, None]) if reverse else (i[None, :] <= i[:, None])
     if exclusive:
         tri = tri & (i[None, :] != i[:, None])
-    return _mm("ij,...jd->...id", tri.astype(x.dtype), x)
+    return mm("ij,...jd->...id", tri.astype(x.dtype), x)
 
 
 def _gdiff(a, b):
@@ -154,7 +150,7 @@ def rel_forward(Xs: jax.Array, Y: jax.Array, G, levels=LEVELS) -> jax.Array:
     Xb, Yb = _blocks(Xs, bs), _blocks(Y, bs)
     diag = rel_forward(Xb, Yb, Gb, levels[1:])              # [n, ..., NB, bs, bs]
     ys = (Yb * f.eb)[..., None, :, :, :] * f.ec[..., :, :, None, :]    # [..., I, J, bs, D]
-    R = _mm("...Iid,...IJjd->...IiJj", Xb * f.ex, ys)
+    R = mm("...Iid,...IJjd->...IiJj", Xb * f.ex, ys)
     R = R + diag[..., :, :, None, :] * jnp.eye(nb, dtype=R.dtype)[:, None, :, None]
     return R.reshape(R.shape[:-4] + (C, C))
 
@@ -183,8 +179,8 @@ def rel_backward(dR: jax.Array, Xs: jax.Array, Y: jax.Array, G, levels=LEVELS):
     dXd, dYd = rel_backward(jnp.einsum("...IiIj->...Iij", dRb), Xb, Yb, Gb, levels[1:])
     ys = (Yb * f.eb)[..., None, :, :, :] * f.ec[..., :, :, None, :]    # [..., I, J, bs, D]
     xs = (Xb * f.ex)[..., :, None, :, :] * f.ec[..., :, :, None, :]    # [n, ..., I, J, bs, D]
-    dX = _mm("...IiJj,...IJjd->...Iid", dRb, ys) * f.ex + dXd
-    dY = _mm("n...IiJj,n...IJid->...Jjd", dRb, xs) * f.eb + dYd     # one contraction over n, I, i
+    dX = mm("...IiJj,...IJjd->...Iid", dRb, ys) * f.ex + dXd
+    dY = mm("n...IiJj,n...IJid->...Jjd", dRb, xs) * f.eb + dYd     # one contraction over n, I, i
     return dX.reshape(Xs.shape), dY.reshape(Y.shape)
 
 
@@ -207,7 +203,7 @@ def unit_lower_inverse(L: jax.Array) -> jax.Array:
         Ainv, Dinv = X[..., 0, :, :], X[..., 1, :, :]
         Lb = L.reshape(L.shape[:-2] + (nb, 2 * s, nb, 2 * s))
         B = jnp.einsum("...IiIj->...Iij", Lb)[..., s:, :s]  # lower-left of each 2s-block
-        lower = -_mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
+        lower = -mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
         top = jnp.concatenate([Ainv, jnp.zeros_like(Ainv)], axis=-1)
         X = jnp.concatenate([top, jnp.concatenate([lower, Dinv], axis=-1)], axis=-2)
         s *= 2
@@ -263,8 +259,8 @@ def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype) -> tuple[Intr
     gam = jnp.where(conn, jnp.exp(G[0] + G[1]), 0.0)       # decay since the chunk start, <= 1
     xw = beta[..., None] * gam * k
     xu = beta[..., None] * v
-    w = _mm("...ij,...jd->...id", A, xw)
-    u = _mm("...ij,...jd->...id", A, xu)
+    w = mm("...ij,...jd->...id", A, xw)
+    u = mm("...ij,...jd->...id", A, xu)
     GC = _gmap(lambda x: x[..., -1:, :], G)
     kdec = jnp.where(last, jnp.exp(_gdiff(GC, G)), 0.0)    # decay up to the chunk end, <= 1
     dec = jnp.where(conn[..., -1, :], jnp.exp(GC[0] + GC[1])[..., 0, :], 0.0)
@@ -298,11 +294,11 @@ def intra_backward(d: IntraOut, out: IntraOut, s: _Saved, k, v, beta, *, scale: 
     # Outputs QG = qs * gam, W = A xw, U = A xu.
     dqs = d.qg * s.gam + dd * k
     dgam = d.qg * s.qs
-    dA = _mm("...id,...jd->...ij", d.w, s.xw) + _mm("...id,...jd->...ij", d.u, s.xu)
-    dxw = _mm("...ji,...jd->...id", s.A, d.w)
-    dxu = _mm("...ji,...jd->...id", s.A, d.u)
+    dA = mm("...id,...jd->...ij", d.w, s.xw) + mm("...id,...jd->...ij", d.u, s.xu)
+    dxw = mm("...ji,...jd->...id", s.A, d.w)
+    dxu = mm("...ji,...jd->...id", s.A, d.u)
     # A = (I + L)^-1  =>  dL = -A^T dA A^T on the strictly lower, same-document entries.
-    dL = -_mm("...ki,...kl,...jl->...ij", s.A, dA, s.A)
+    dL = -mm("...ki,...kl,...jl->...ij", s.A, dA, s.A)
     dL = jnp.where(s.m_kk, dL, 0.0)
     dbeta = jnp.sum(dL * s.rkk, axis=-1)
     drkk = beta[..., :, None] * dL

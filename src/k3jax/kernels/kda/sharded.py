@@ -15,12 +15,13 @@ Layout (letters b, t, h, k, v as in docs/kernels.md; `b_ax` / `h_ax` the mesh ax
     seg ids   [B, T]         P(b_ax, None)
     o         [B, T, H, V]   P(b_ax, None, h_ax, None)
 
-`b_ax` is `batch_axes` (default: sharding.RULES["batch"] = data, fsdp, expert) and `h_ax` is
-`head_axis` (RULES["act_heads"] = tensor), restricted to axes the mesh has that are not already
+`b_ax` is `batch_axes` and `h_ax` is `head_axis`, given by the caller (the model passes
+k3jax.sharding.BATCH_AXES = data, fsdp, expert and HEAD_AXIS = tensor: the mesh axes of its
+"batch" and "act_heads" activation axes; kernels never import sharding), restricted to axes the mesh has that are not already
 manual (size-1 axes stay in the specs; they split nothing). As in sharding._fits, a dimension
 their size product does not divide is replicated (a tiny config on a big mesh): the specs then
 equal the activations' own shardings, so entering and leaving the map moves no data.
-Time is never split (RULES["seq"] = None).
+Time is never split (the model's "seq" axis maps to no mesh axis).
 
 The map is manual over every non-manual mesh axis, so inside it no axis is left for GSPMD to
 partition the kernel over; axes the specs leave out hold replicas that compute the same thing.
@@ -32,12 +33,6 @@ from typing import Callable, Sequence
 
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
-
-# Mesh axes of the logical "batch" and "act_heads" activation axes (k3jax.sharding.RULES; the
-# kernels package does not import sharding, tests/test_kda_sharded.py keeps the two equal).
-BATCH_AXES = ("data", "fsdp", "expert")
-HEAD_AXIS = "tensor"
-
 
 def _free_axes(mesh) -> dict[str, int]:
     """{name: size} of the mesh axes this map may make manual (not manual already)."""
@@ -58,8 +53,7 @@ def _dim_entry(free: dict[str, int], axes: Sequence[str], dim: int):
     return use[0] if len(use) == 1 else use
 
 
-def shard_kda(fn: Callable, mesh=None, *, batch_axes: Sequence[str] = BATCH_AXES,
-              head_axis: str = HEAD_AXIS) -> Callable:
+def shard_kda(fn: Callable, mesh=None, *, batch_axes: Sequence[str], head_axis: str | None) -> Callable:
     """Wrap a KDA core `fn` (the common signature) to run per device under jax.shard_map.
 
     Args:

@@ -201,8 +201,7 @@ def _weight_d_axes(ws, d_dims, expert_axis, token_axes, explicit, given) -> tupl
 
 
 def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh,
-                        expert_axis: str = "expert",
-                        token_axes: tuple[str, ...] = ("data", "fsdp"),
+                        expert_axis: str, token_axes: tuple[str, ...],
                         impl: str = "ragged_dot", mode: str = "dropless",
                         capacity_factor: float | None = None, transport: str = "ragged",
                         weight_d_axes: tuple[str, ...] | None = None, interpret: bool = False,
