@@ -6,9 +6,10 @@ user needs to know *which file or tensor* and *what was expected versus found*, 
 site builds its message with that information instead of letting a numpy/JSON/OSError escape
 from deep inside a helper.
 """
+from k3jax.errors import UserError
 
 
-class ConversionError(Exception):
+class ConversionError(UserError):
     """A checkpoint cannot be read, decoded or written as asked.
 
     The message always names the offending file or tensor and states the expected value next

@@ -497,18 +497,11 @@ def main(argv=None) -> int:
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (not loadable by the model yet)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
-    try:
+    from k3jax.errors import guard
+
+    def run():
         convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # config errors from k3jax.config are user errors too
-        from k3jax.config import ConfigError
-        if not isinstance(e, ConfigError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return guard(run)
 
 
 if __name__ == "__main__":

@@ -228,14 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
-    from k3jax.checkpoint import CheckpointError
-    from k3jax.config import ConfigError
-    try:
+    from k3jax.errors import guard
+
+    def run():
         export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet)
-    except (ConversionError, ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return guard(run)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,12 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from k3jax.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message says which path and why."""
 
 

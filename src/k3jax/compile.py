@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import config as C
+from k3jax.cli import run_tool
 from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
@@ -284,13 +285,9 @@ def fit_error(reports: dict) -> str | None:
             f"per_device_batch_size or max_target_length, use remat_policy=full or moe_mode=capacity)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _run(cfg) -> int:
     try:
-        reports = run(C.load_from_argv(argv))
-    except C.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        reports = run(cfg)
     except (RuntimeError, NotImplementedError) as e:  # libtpu missing, a kernel that cannot lower, or OOM
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "RESOURCE_EXHAUSTED" in first or "HbmOom" in first:  # XLA refuses at compile time
@@ -303,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("compile", _run, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,12 @@ from typing import Any, Optional
 
 import yaml
 
+from k3jax.errors import UserError, guard, usage, wants_help
+
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; the message is one actionable line."""
 
 
@@ -549,9 +551,13 @@ def describe(cfg: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m k3jax.config configs/base.yml key=value ...``: print the resolved config."""
     import sys
     argv = sys.argv[1:] if argv is None else argv
-    return run_cli(lambda: print(describe(load_from_argv(argv))))
+    if wants_help(argv):
+        print(usage("config", main.__doc__))
+        return 0
+    return guard(lambda: print(describe(load_from_argv(argv))))
 
 
 def load_from_argv(argv: list[str]) -> Config:
@@ -559,17 +565,6 @@ def load_from_argv(argv: list[str]) -> Config:
     if argv and "=" not in argv[0]:
         return load(argv[0], argv[1:])
     return load(REPO_CONFIGS / "base.yml", argv)
-
-
-def run_cli(fn) -> int:
-    """Run an entry point, turning ConfigError (and other user errors) into one line + exit 2."""
-    import sys
-    try:
-        fn()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

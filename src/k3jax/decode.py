@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import config as C
-from k3jax.checkpoint import CheckpointError
+from k3jax.cli import run_tool
 from k3jax.runtime import load_tokenizer
 from k3jax.sharding import make_mesh
 from k3jax.state import init_state, restore_model
@@ -132,43 +132,37 @@ def load_model(cfg, mesh):
     return restore_model(cfg, mesh)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = C.load_from_argv(argv)
-        d = cfg.decode
-        if not d.prompt.strip():
-            raise C.ConfigError("prompt is empty; pass prompt=\"some text\"")
-        tok = load_tokenizer(cfg)
-        if d.chat:
-            from k3jax.data.chat_template import render
-            ids, _ = render(tok, [{"role": "user", "content": d.prompt}], add_generation_prompt=True)
-        else:
-            ids = tok.encode(d.prompt, add_bos=True)
-        budget = d.max_prefill_length or cfg.train.max_target_length
-        if len(ids) > budget:
-            raise C.ConfigError(f"prompt is {len(ids)} tokens but max_prefill_length/max_target_length allows "
-                                f"{budget}; shorten the prompt or raise max_target_length")
-        mesh = make_mesh(cfg)
-        model = load_model(cfg, mesh)
-        # Tokens are byte sequences and a character may span tokens: an incremental UTF-8
-        # decoder prints each character once it is complete (linear in the output length).
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+def _run(cfg) -> int:
+    d = cfg.decode
+    if not d.prompt.strip():
+        raise C.ConfigError("prompt is empty; pass prompt=\"some text\"")
+    tok = load_tokenizer(cfg)
+    if d.chat:
+        from k3jax.data.chat_template import render
+        ids, _ = render(tok, [{"role": "user", "content": d.prompt}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(d.prompt, add_bos=True)
+    budget = d.max_prefill_length or cfg.train.max_target_length
+    if len(ids) > budget:
+        raise C.ConfigError(f"prompt is {len(ids)} tokens but max_prefill_length/max_target_length allows "
+                            f"{budget}; shorten the prompt or raise max_target_length")
+    mesh = make_mesh(cfg)
+    model = load_model(cfg, mesh)
+    # Tokens are byte sequences and a character may span tokens: an incremental UTF-8
+    # decoder prints each character once it is complete (linear in the output length).
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-        def stream(i, toks):
-            if d.stream:
-                t = int(np.asarray(toks)[0])
-                if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
-                    print(utf8.decode(tok.decode_bytes([t])), end="", flush=True)
+    def stream(i, toks):
+        if d.stream:
+            t = int(np.asarray(toks)[0])
+            if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
+                print(utf8.decode(tok.decode_bytes([t])), end="", flush=True)
 
-        with jax.set_mesh(mesh):
-            out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
-                                   stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
-                                   temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
-                                   on_tokens=stream)
-    except (C.ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with jax.set_mesh(mesh):
+        out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
+                               stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
+                               temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
+                               on_tokens=stream)
     new = [t for t in out[0].tolist() if t >= 0 and t not in (tok.eos_id, tok.im_end_id)]
     if not d.stream:
         print(d.prompt + tok.decode(new))
@@ -177,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill {timing['prefill_tokens_per_s']:.1f} tokens/s, decode {timing['decode_tokens_per_s']:.1f} "
           f"tokens/s ({timing['new_tokens']} new tokens)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("decode", _run, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ when max KL > ``max_kl`` or max abs error > ``atol``, 2 on a usage error, 0 othe
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from k3jax import config as C
+from k3jax.cli import run_tool
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -97,15 +97,8 @@ def run(cfg) -> tuple[dict, bool]:
     return metrics, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    from k3jax.checkpoint import CheckpointError
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = C.load_from_argv(argv)
-        metrics, ok = run(cfg)
-    except (C.ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _run(cfg) -> int:
+    metrics, ok = run(cfg)
     c = cfg.check
     print(f"{'tokens':<28}{metrics['tokens']}")
     print(f"{'max |logit error|':<28}{metrics['max_abs_err']:.6g}   (atol {c.atol:g})")
@@ -115,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'top-1 agreement, sequences':<28}{metrics['top1_sequence_agreement']:.4f}")
     print("PASS" if ok else "FAIL: beyond thresholds")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("logit_check", _run, argv, __doc__)
 
 
 if __name__ == "__main__":

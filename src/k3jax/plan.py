@@ -16,6 +16,7 @@ import sys
 
 from k3jax import compile as K
 from k3jax import config as C
+from k3jax.cli import run_tool
 from k3jax import topology as TP
 from k3jax.sharding import make_mesh
 from k3jax.state import abstract_state
@@ -112,14 +113,10 @@ def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _run(cfg) -> int:
     try:
-        rows = plan(C.load_from_argv(argv))
-    except C.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
+        rows = plan(cfg)
+    except RuntimeError as e:   # libtpu unavailable
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not any("memory" in r and r["memory"]["fits"] for r in rows):
@@ -127,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("plan", _run, argv, __doc__)
 
 
 if __name__ == "__main__":

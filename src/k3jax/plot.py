@@ -12,8 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+from k3jax.errors import UserError, guard
 
-class PlotError(RuntimeError):
+
+class PlotError(UserError, RuntimeError):
     """A run dir that cannot be plotted (missing, no metrics.jsonl, no records)."""
 
 
@@ -91,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print("usage: python -m k3jax.plot <run dir>   (writes <run dir>/curves.png)", file=sys.stderr)
         return 2
-    try:
-        out = plot_run(argv[0])
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return guard(lambda: print(f"wrote {plot_run(argv[0])}"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,15 @@
-"""Shared set-up of the entry points (train, decode, logit_check): tokenizer and parameters."""
+"""Shared set-up of the entry points: the process (multi-host, before any device is touched) and
+the tokenizer."""
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def prepare(cfg) -> None:
+    """Process set-up every tool runs first, before anything queries devices: joins the multi-host
+    job (``enable_distributed``). Idempotent."""
+    from k3jax.sharding import maybe_initialize_distributed
+    maybe_initialize_distributed(cfg)
 
 
 def tokenizer_dir(cfg) -> Path:

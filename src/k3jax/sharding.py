@@ -175,8 +175,9 @@ def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
 
 
 def maybe_initialize_distributed(cfg: Config) -> None:
-    """Multi-host TPU VMs: jax.distributed.initialize() discovers the coordinator itself."""
-    if cfg.mesh.enable_distributed:
+    """Multi-host TPU VMs: jax.distributed.initialize() discovers the coordinator itself. Must run
+    before anything touches a device; a second call is a no-op."""
+    if cfg.mesh.enable_distributed and not jax.distributed.is_initialized():
         jax.distributed.initialize()
 
 

@@ -16,7 +16,9 @@ import yaml
 
 from k3jax import config as C
 from k3jax import counts
-from k3jax.checkpoint import Checkpointer, CheckpointError
+from k3jax.checkpoint import Checkpointer
+from k3jax.cli import run_tool
+from k3jax.errors import UserError
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
 from k3jax.runtime import load_tokenizer
@@ -26,7 +28,7 @@ from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
 
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """A run that cannot continue (e.g. a non-finite loss under nan_policy=stop)."""
 
 
@@ -100,20 +102,18 @@ def train(cfg, *, on_step=None) -> dict:
     return {"history": history, "state": state, "run_dir": run_dir}
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = C.load_from_argv(argv)
-        C.validate(cfg, num_devices=len(jax.devices()))
-        out = train(cfg)
-    except (C.ConfigError, CheckpointError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _run(cfg) -> int:
+    C.validate(cfg, num_devices=len(jax.devices()))
+    out = train(cfg)
     h = out["history"]
     if h:
         print(f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {h[-1]['loss']:.4f}; run dir {out['run_dir']}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_tool("train", _run, argv, __doc__)
 
 
 if __name__ == "__main__":

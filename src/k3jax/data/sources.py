@@ -20,8 +20,10 @@ from collections.abc import Sequence
 import numpy as np
 from grain.sources import RandomAccessDataSource
 
+from k3jax.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad input data (raised when bad_data="fatal"); the message names file:line."""
 
 

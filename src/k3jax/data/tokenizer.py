@@ -21,6 +21,8 @@ from typing import Any
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from k3jax.errors import UserError
+
 # Kimi's exact pre-tokenisation regex (formats.md §3.2). `&&` is character-class intersection:
 # Han is removed from the letter classes so "中文English混合" splits as 中文|English|混合.
 # tiktoken's Rust fancy_regex accepts it; Python `regex` needs flags=regex.V1.
@@ -50,7 +52,7 @@ REAL_IDS = {"[BOS]": 163_584, "[EOS]": 163_585, "[PAD]": 163_839}
 CHAT_TOKENS = ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A model directory whose tokenizer files are missing or inconsistent."""
 
 

@@ -1,0 +1,65 @@
+"""k3jax.state: one abstract description of the state, init into it, restore into it.
+
+Tiny model on one device (small compiles); the multi-device placement is covered by test_model's
+sharded forward and the pod-scale one by test_sharding.
+"""
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from k3jax import config as C
+from k3jax.checkpoint import CheckpointError
+from k3jax.sharding import make_mesh
+from k3jax.state import abstract_state, init_state, restore_model, restore_state
+
+
+def load(*args):
+    return C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", *args])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load()
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    return cfg, mesh, init_state(cfg, mesh, optimizer=True)
+
+
+def test_init_matches_the_abstract_state(tiny):
+    cfg, mesh, (_, state, _) = tiny
+    _, abstract, tx = abstract_state(cfg, mesh, optimizer=True)
+    assert tx is not None and set(abstract) == set(state) == {"params", "rest", "opt_state"}
+    got, want = jax.tree.leaves(state), jax.tree.leaves(abstract)
+    assert len(got) == len(want)
+    for a, s in zip(got, want):
+        assert (a.shape, a.dtype) == (s.shape, s.dtype)
+        assert a.sharding.is_equivalent_to(s.sharding, a.ndim)
+    # Without a mesh: shapes only (tests, counting), no shardings.
+    bare = abstract_state(cfg)[1]
+    assert all(getattr(x, "sharding", None) is None for x in jax.tree.leaves(bare))
+
+
+def _save(path, tree):
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, tree)
+    ckptr.wait_until_finished()
+
+
+def test_restore_needs_router_biases(tiny, tmp_path, capsys):
+    cfg, mesh, (_, state, _) = tiny
+    biases = jax.tree.map(lambda x: x + 0.25, state["rest"])
+    _save(tmp_path / "full" / "params", state["params"])
+    _save(tmp_path / "full" / "extra", biases)
+    model = restore_model(C.override(cfg, {"load_parameters_path": str(tmp_path / "full")}), mesh)
+    bias = model.layer(model.layout.sites()[-1]).mlp.e_score_correction_bias[...]
+    np.testing.assert_array_equal(bias, np.full(bias.shape, 0.25, np.float32))
+
+    _save(tmp_path / "bare" / "params", state["params"])
+    bare = C.override(cfg, {"load_parameters_path": str(tmp_path / "bare")})
+    with pytest.raises(CheckpointError, match="allow_missing_router_biases=true"):
+        restore_state(bare, mesh)
+    _, got, _ = restore_state(C.override(bare, {"allow_missing_router_biases": True}), mesh)
+    assert "starting them at zero" in capsys.readouterr().err
+    assert all(not np.any(x) for x in jax.tree.leaves(got["rest"]))
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(a, b)
