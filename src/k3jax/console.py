@@ -9,8 +9,9 @@ Throughput is per chip, the unit a TPU slice is bought and sized in: a JAX devic
 v5e/v6e/v5p (megacore), but TPU7x exposes each of its two TensorCores as a device, so per-device
 figures there would be half the chip's (``topology.Chip.devices_per_chip``; CPUs and GPUs count one
 device per chip). MFU is the same number either way: model FLOP/s over the peak of the same unit.
-The ETA is the remaining steps times the mean time of the last steps (compilation is timed apart,
-so it does not inflate the estimate); evaluation and checkpoint time are not in it.
+The ETA is the remaining steps times the mean time of the last 20 steps (compilation is timed
+apart, and the first step, which also waits for the input pipeline, counts only until there is a
+second); evaluation and checkpoint time are not in it.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class Console:
 
     def record(self, step: int, metrics: dict, dt: float, learning_rate: float) -> dict:
         """The metrics.jsonl record of optimizer step ``step`` (1-based) that took ``dt`` s."""
-        self.recent.append(dt)
+        if step > self.start + 1:   # the first step also waits for the input pipeline to fill
+            self.recent.append(dt)
         tps = self.tokens / dt
         rec = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "finite"},
                "learning_rate": learning_rate, "step_time_s": dt, "tokens_per_s": tps,
@@ -75,7 +77,8 @@ class Console:
                "tflops_per_device": tps * self.flops_tok / self.num_devices / 1e12,
                "tflops_per_chip": tps * self.flops_tok / self.chips / 1e12}
         rec["mfu"] = rec["tflops_per_device"] / self.peak_dev
-        rec["eta_s"] = (self.total - step) * sum(self.recent) / len(self.recent)
+        recent = self.recent or [dt]
+        rec["eta_s"] = (self.total - step) * sum(recent) / len(recent)
         return rec
 
     def due(self, step: int) -> bool:
