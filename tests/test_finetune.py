@@ -43,27 +43,32 @@ def released_checkpoint(d: Path) -> Path:
     return d
 
 
+def sft_args(conv, root):
+    """The SFT settings of the journey (the keys docs/fine-tuning.md explains), tiny-model sized."""
+    return [f"model_name={conv / 'model.yml'}", f"load_parameters_path={conv}", f"tokenizer_path={conv}",
+            "dataset_type=sft", f"dataset_path={CHAT / 'train.jsonl'}", "max_target_length=128",
+            "per_device_batch_size=1", "weight_dtype=float32", "opt_type=adamw", "learning_rate=3e-3",
+            "warmup_steps_fraction=0", "lr_schedule=constant", "freeze=[embed]", "router_bias_update_rate=0",
+            "checkpoint_period=5", "async_checkpointing=false", "log_period=5", f"base_output_directory={root}",
+            "remat_policy=none"]
+
+
 @pytest.fixture(scope="module")
 def journey(tmp_path_factory):
     root = tmp_path_factory.mktemp("journey")
     hf = released_checkpoint(root / "Kimi-Linear-tiny")
     conv = root / "converted"
     convert(str(hf), str(conv), dtype="float32", progress=False)
-    cfg = C.load(C.REPO_CONFIGS / "base.yml", [
-        f"model_name={conv / 'model.yml'}", f"load_parameters_path={conv}", f"tokenizer_path={conv}",
-        "dataset_type=sft", f"dataset_path={CHAT / 'train.jsonl'}", f"eval_dataset_path={CHAT / 'eval.jsonl'}",
-        "eval_interval=5", "eval_steps=2", "eval_per_device_batch_size=1", f"steps={STEPS}",
-        "max_target_length=128", "per_device_batch_size=1", "weight_dtype=float32", "opt_type=adamw",
-        "learning_rate=3e-3", "warmup_steps_fraction=0", "lr_schedule=constant", "freeze=[embed]",
-        "router_bias_update_rate=0", "checkpoint_period=5", "async_checkpointing=false", "log_period=5",
-        f"base_output_directory={root}", "run_name=sft", "remat_policy=none"])
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", sft_args(conv, root) + [
+        f"eval_dataset_path={CHAT / 'eval.jsonl'}", "eval_interval=5", "eval_steps=2",
+        "eval_per_device_batch_size=1", f"steps={STEPS}", "run_name=sft"])
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         out = train(cfg)
     exported = root / "exported"
     export(str(root / "sft" / "checkpoints" / str(STEPS)), str(exported), dtype="float32", progress=False)
-    return {"hf": hf, "conv": conv, "run": root / "sft", "export": exported, "stdout": stdout.getvalue(),
-            "history": out["history"]}
+    return {"hf": hf, "conv": conv, "root": root, "run": root / "sft", "export": exported,
+            "stdout": stdout.getvalue(), "history": out["history"]}
 
 
 def test_converter_output_carries_the_tokenizer(journey):
@@ -141,3 +146,19 @@ def test_export_round_trips_into_the_trained_parameters(journey, tmp_path):
     assert flat_w.keys() == flat_g.keys()
     for k in flat_w:
         assert np.array_equal(np.asarray(flat_w[k]), np.asarray(flat_g[k])), k
+
+
+def test_num_epoch_stops_early_with_a_checkpoint(journey):
+    """One pass over the 51 conversations takes a few steps of 8 rows: the run stops there, says so
+    and keeps a checkpoint of the step reached. (The same program as the journey's train step, so
+    the persistent compilation cache serves it.)"""
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", sft_args(journey["conv"], journey["root"]) +
+                 ["num_epoch=1", "steps=50", "run_name=one_epoch", "checkpoint_period=100"])
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        out = train(cfg)
+    last = out["history"][-1]["step"]
+    assert 1 < last < 50
+    assert f"the training data ran out after num_epoch=1 passes at step {last} of 50" in stdout.getvalue()
+    assert sorted(int(p.name) for p in (journey["root"] / "one_epoch" / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [last]
