@@ -8,8 +8,9 @@ Reads ``config.json`` (validated against ``--model_name`` when given, else turne
 tensors one at a time through ``CheckpointReader`` (dequantising MXFP4, int4 and FP8 weights), maps
 them with ``param_map`` into the scanned layout and writes each one straight into its slice of the
 orbax items ``<out>/params`` (``nnx.Param``) and ``<out>/extra`` (router biases); see
-``orbax_stream``. ``load_parameters_path=<out>`` accepts the result. No Python file of the model
-directory is ever imported or executed.
+``orbax_stream``. ``load_parameters_path=<out>`` accepts the result. The tokenizer, chat template and
+generation config are copied beside them (``conversion.hf_files``), so ``tokenizer_path=<out>`` works
+too. No Python file of the model directory is ever imported or executed.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conversion import param_map, quant
+from conversion import hf_files, param_map, quant
 from conversion.errors import ConversionError
 
 
@@ -424,12 +425,16 @@ def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dens
         shutil.rmtree(out / item, ignore_errors=True)
         if item in parts:
             os.replace(out / f"{item}.partial", out / item)
+    side = hf_files.copy_side_files(hf_dir, out)   # tokenizer, chat template, generation config
     n = M.count_params(params)
     secs = time.perf_counter() - t0
     if progress:
         print(f"wrote {out / 'params'} ({n:,} parameters, {len(need)} tensors, {bar.b / 2**20:,.1f} MiB read "
               f"in {secs:.1f}s){'; skipped ' + str(len(skipped)) + ' non-text tensors' if skipped else ''}")
-    return {"tensors": len(need), "bytes": bar.b, "seconds": secs, "skipped": skipped, "parameters": n}
+        print(f"copied {', '.join(side)} (tokenizer_path={out} reads them)" if side else
+              f"note: {hf_dir} has no tokenizer, chat template or generation config to copy")
+    return {"tensors": len(need), "bytes": bar.b, "seconds": secs, "skipped": skipped, "parameters": n,
+            "side_files": side}
 
 
 def _stream(reader, steps, owner, packed, bar) -> None:

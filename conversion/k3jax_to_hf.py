@@ -1,9 +1,11 @@
 """k3jax parameters -> Hugging Face safetensors, streamed.
 
     python -m conversion.k3jax_to_hf --ckpt CKPT --out D [--model_name ...] [--dtype bfloat16]
+                                     [--tokenizer_dir DIR]
 
 ``CKPT`` is anything ``load_parameters_path`` accepts (a converter output, a run or step directory).
-The model config is ``--model_name`` or, for a converter output, its ``model.yml``. Output: sharded
+The model config is ``--model_name``, a converter output's ``model.yml`` or a training run's
+``config.yml``. The tokenizer, chat template and generation config are copied in (``hf_files``). Output: sharded
 ``model-000NN-of-000MM.safetensors`` + ``model.safetensors.index.json`` + ``config.json``:
 
 - Kimi Linear-shaped configs (plain residuals, SwiGLU, softplus KDA gate, full-width experts, no MLA
@@ -30,7 +32,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from conversion import param_map
+from conversion import hf_files, param_map
 from conversion.errors import ConversionError
 
 # Tensor-name endings that K3 checkpoints keep in float32 (k3-architecture.md section 8).
@@ -147,18 +149,33 @@ def _plan(model, m, layout):
 
 
 def load_config(ckpt, model_name: str | None):
+    """``--model_name``; else the converter's ``model.yml`` beside the params; else, for a training
+    checkpoint ``<run>/checkpoints/<step>``, the model keys of the run's ``config.yml``."""
+    import yaml
+
     from k3jax import config as C
     from k3jax.checkpoint import resolve_params_dir
     if model_name:
         return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}"])
-    yml = resolve_params_dir(ckpt).parent / "model.yml"
-    if not yml.exists():
-        raise ConversionError(f"{ckpt}: no model.yml beside the params item; pass --model_name")
-    return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={yml}"])
+    params = resolve_params_dir(ckpt)
+    yml = params.parent / "model.yml"
+    if yml.exists():
+        return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={yml}"])
+    run_cfg = params.parent.parent.parent / "config.yml"
+    if params.parent.parent.name == "checkpoints" and run_cfg.is_file():
+        flat = yaml.safe_load(run_cfg.read_text()) or {}
+        return C.load(C.REPO_CONFIGS / "base.yml", {k: v for k, v in flat.items() if k in C.KEYS and C.KEYS[k][0] == "model"})
+    raise ConversionError(f"{ckpt}: no model.yml beside the params item and no run config.yml; pass --model_name")
 
 
-def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**30, progress=True) -> dict:
+def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**30, progress=True,
+           tokenizer_dir=None) -> dict:
     """Write ``ckpt`` as a Hugging Face checkpoint in ``out``; see the module docstring.
+
+    The tokenizer, chat template and generation config are copied from ``tokenizer_dir`` or, when
+    it is None, from where ``hf_files.find_source`` finds them (the converter output, or the
+    tokenizer a training run used); with none found the export holds weights and config only, and
+    a note says so.
 
     Raises ConversionError when the checkpoint lacks parameters the config needs (listing them; e.g.
     a ``--experts_format mxfp4`` conversion, whose dense experts are absent), holds unexpected ones,
@@ -212,11 +229,20 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
             if progress and (i % 200 == 0 or i == len(plan) - 1):
                 print(f"\r{i + 1}/{len(plan)} tensors, {n_bytes / 2**20:,.1f} MiB", end="", file=sys.stderr)
     (out / CONFIG_NAME).write_text(json.dumps(hf_config(m, layout, dtype), indent=2))
+    side_src = Path(tokenizer_dir) if tokenizer_dir else hf_files.find_source(params_dir)
+    if tokenizer_dir and not hf_files.has_tokenizer(side_src):
+        raise ConversionError(f"--tokenizer_dir {tokenizer_dir}: no tiktoken.model or tokenizer.json there")
+    side = hf_files.copy_side_files(side_src, out) if side_src else []
     secs = time.perf_counter() - t0
     if progress:
         print(f"\nwrote {out} ({len(plan)} tensors, {layout} layout, {n_bytes / 2**20:,.1f} MiB in {secs:.1f}s)",
               file=sys.stderr)
-    return {"tensors": len(plan), "bytes": n_bytes, "seconds": secs, "layout": layout}
+    if side:
+        print(f"copied {', '.join(side)} from {side_src}", file=sys.stderr)
+    else:
+        print(f"note: no tokenizer found for {ckpt}; {out} holds weights and config.json only "
+              f"(pass --tokenizer_dir, e.g. the original Hugging Face checkpoint)", file=sys.stderr)
+    return {"tensors": len(plan), "bytes": n_bytes, "seconds": secs, "layout": layout, "side_files": side}
 
 
 def main(argv=None) -> int:
@@ -226,12 +252,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model_name", default=None, help="model config; default <ckpt>/model.yml")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit")
+    ap.add_argument("--tokenizer_dir", default=None,
+                    help="copy the tokenizer, chat template and generation config from here; default: found "
+                         "beside a converter output or through the training run's config.yml")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     from k3jax.errors import guard
 
     def run():
-        export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet)
+        export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet,
+               tokenizer_dir=a.tokenizer_dir)
     return guard(run)
 
 

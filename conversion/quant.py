@@ -4,7 +4,7 @@ Pure numpy + ml_dtypes (no jax, no torch) so conversion runs on any host. Every 
 the dense weight in the checkpoint's own row-major ``[out, in]`` orientation (``in`` is the
 contraction dim, "K"); transposes to k3jax layouts belong to ``conversion/param_map.py``.
 
-Formats (see /work/shared/docs/formats.md §1-2):
+Formats (see docs/spec/formats.md §1-2):
 
 * ``mxfp4``     compressed-tensors ``mxfp4-pack-quantized`` (Kimi K3 routed experts):
                 ``weight_packed`` uint8 [out, in/2] + ``weight_scale`` E8M0 uint8 [out, in/32].

@@ -13,10 +13,10 @@ golden.npz and meta.json; tests/assets/README.md documents the contents and the 
 semantics.
 
 How to run (from the repository root; a separate Python 3.11 venv because the main venv is 3.12
-and must not carry torch; triton must NOT be installed there, see docs/ecosystem.md section 9):
+and must not carry torch; triton must NOT be installed there, see docs/spec/ecosystem.md section 9):
 
-    /root/.pyenv/versions/3.11.7/bin/python -m venv .venv-golden
-    .venv-golden/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl \
+    python3.11 -m venv .venv-golden
+    .venv-golden/bin/pip install torch==2.13.0+cpu \
         transformers==5.24.0 safetensors numpy
     .venv-golden/bin/python scripts/make_goldens.py            # both assets, ~1 min on 2 cores
     .venv-golden/bin/python scripts/make_goldens.py --only kimi_linear_tiny
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # a present triton makes transformers bind fla kernels; refuse rather than crash later
         import triton  # noqa: F401
 
-        raise SystemExit("triton is installed in this venv: uninstall it (see docs/ecosystem.md section 9)")
+        raise SystemExit("triton is installed in this venv: uninstall it (see docs/spec/ecosystem.md section 9)")
     except ImportError:
         pass
     torch.use_deterministic_algorithms(True)

@@ -69,6 +69,10 @@ class Checkpointer:
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
         return r["params"], r["opt_state"], r["extra"]
 
+    def saving(self) -> bool:
+        """True while an async save is still being written."""
+        return self.mngr.is_saving_in_progress()
+
     def wait(self):
         self.mngr.wait_until_finished()
 

@@ -195,6 +195,19 @@ class DataConfig:
     data_seed: int = _f(42, "data order seed")
     bad_data: str = _f("skip", "malformed records: skip (counted, warned) | fatal", ("skip", "fatal"))
     text_key: str = _f("text", "JSON/Parquet field holding the text")
+    # Supervised fine-tuning (dataset_type=sft; see docs/fine-tuning.md)
+    sft_format: str = _f("messages", "SFT record layout: messages ({\"messages\": [{role, content}, ...]}) | hellaswag ({ctx, endings, label})", ("messages", "hellaswag"))
+    sft_default_system_prompt: bool = _f(True, "SFT: give conversations without a system message Kimi's default one, as the chat template does at inference")
+    sft_overlong: str = _f("truncate", "SFT conversation longer than max_target_length: truncate (keep the prompt, cut the end) | drop (counted)", ("truncate", "drop"))
+    num_epoch: int = _f(0, "passes over the training data; training stops early when they are used up (0 = repeat until steps)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    eval_dataset_path: Optional[str] = _f(None, "glob of evaluation files read like the training data (dataset_type, tokenizer, sft_format); null = no evaluation")
+    eval_interval: int = _f(100, "steps between evaluations (one also runs after the last step)")
+    eval_steps: int = _f(10, "batches per evaluation, the same batches every time; -1 = one pass over the evaluation files")
+    eval_per_device_batch_size: float = _f(0.0, "evaluation sequences per device; 0 = per_device_batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +272,7 @@ class CompileConfig:
     plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
 
 
-SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig,
+SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
             "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "check": CheckConfig, "compile": CompileConfig}
 TOP_LEVEL = ("model_name",)
 
@@ -271,6 +284,7 @@ class Config:
     kernel: KernelConfig
     train: TrainConfig
     data: DataConfig
+    eval: EvalConfig
     checkpoint: CheckpointConfig
     mesh: MeshConfig
     decode: DecodeConfig
@@ -354,8 +368,50 @@ def coerce(key: str, value: Any) -> Any:
     return value
 
 
+# MaxText's names for keys users type every day. They are read as the k3jax key with a one-line
+# notice (so a MaxText command line works and says what it became); giving both names in one place
+# is an error, since which one should win is a guess. Saved configs use the k3jax names only.
+ALIASES = {
+    "max_num_checkpoints_to_keep": "max_checkpoints_to_keep",
+    "max_prefill_predict_length": "max_prefill_length",
+    "decode_sampling_strategy": "sampling",
+    "decode_sampling_temperature": "temperature",
+    "decode_sampling_top_k": "top_k",
+    "decode_sampling_nucleus_p": "top_p",
+    "z_loss_multiplier": "z_loss_weight",
+    "learning_rate_final_fraction": "lr_final_fraction",
+    "num_experts_per_tok": "num_experts_per_token",
+    "data_shuffle_seed": "data_seed",
+}
+# MaxText's decode_sampling_strategy values: every strategy but greedy samples; which tokens are
+# eligible is then set by top_k / top_p (decode_sampling_top_k / decode_sampling_nucleus_p).
+MAXTEXT_SAMPLING = {"greedy": "greedy", "weighted": "sample", "nucleus": "sample", "topk": "sample",
+                    "composite": "sample"}
+
+
+def canonical_keys(values: dict, where: str) -> dict:
+    """``values`` with MaxText aliases renamed to k3jax keys (order kept), one notice per alias on
+    stderr; ConfigError when an alias and its k3jax key are both given in ``where``."""
+    import sys
+    out = {}
+    for key, val in values.items():
+        canon = ALIASES.get(key)
+        if canon is None:
+            out[key] = val
+            continue
+        if canon in values:
+            raise ConfigError(f"both '{key}' (MaxText's name) and '{canon}' are set ({where}); keep one of them")
+        if key == "decode_sampling_strategy":
+            if str(val) not in MAXTEXT_SAMPLING:
+                raise ConfigError(f"decode_sampling_strategy={val!r}: must be one of {', '.join(MAXTEXT_SAMPLING)}")
+            val = MAXTEXT_SAMPLING[str(val)]
+        print(f"note: '{key}' is MaxText's name for '{canon}'; read as {canon}={val}", file=sys.stderr)
+        out[canon] = val
+    return out
+
+
 def _unknown(key: str, where: str) -> ConfigError:
-    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    near = difflib.get_close_matches(key, all_keys() + list(ALIASES), n=1, cutoff=0.5)
     hint = f"; did you mean '{near[0]}'?" if near else "; run `python -m k3jax.config configs/base.yml` to list keys"
     return ConfigError(f"unknown config key '{key}' ({where}){hint}")
 
@@ -404,15 +460,16 @@ def load(base: str | Path = REPO_CONFIGS / "base.yml", overrides: list[str] | di
     """Load base.yml, then the model yml named by ``model_name``, then ``overrides``; validate."""
     base = Path(base)
     cli = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    cli = canonical_keys(cli, "command line")
     values: dict[str, Any] = {}
-    for k, v in _read_yaml(base).items():
+    for k, v in canonical_keys(_read_yaml(base), str(base)).items():
         if k not in KEYS and k not in TOP_LEVEL:
             raise _unknown(k, str(base))
         values[k] = v
     model_name = str(cli.get("model_name", values.get("model_name", "default")))
     if model_name not in ("", "default"):
         mpath = resolve_model_path(model_name, base.parent)
-        for k, v in _read_yaml(mpath).items():
+        for k, v in canonical_keys(_read_yaml(mpath), str(mpath)).items():
             if k not in KEYS:
                 raise _unknown(k, str(mpath))
             values[k] = v
@@ -435,7 +492,7 @@ def override(cfg: Config, values: dict[str, Any]) -> Config:
     """``cfg`` with ``values`` ({key: value}; typed values or command-line strings) replaced and the
     result validated, as if they had been given on the command line (``model_name`` excepted)."""
     sections: dict[str, dict] = {}
-    for key, val in values.items():
+    for key, val in canonical_keys(values, "override").items():
         if key not in KEYS:
             raise _unknown(key, "override")
         sections.setdefault(KEYS[key][0], {})[key] = coerce(key, val)
@@ -480,8 +537,25 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
+    _validate_eval_and_sft(cfg)
     if num_devices is not None:
         mesh_shape(cfg, num_devices)
+
+
+def _validate_eval_and_sft(cfg: Config) -> None:
+    e, d = cfg.eval, cfg.data
+    if e.eval_interval <= 0:
+        raise ConfigError(f"eval_interval={e.eval_interval}: must be positive (steps between evaluations)")
+    if e.eval_steps == 0 or e.eval_steps < -1:
+        raise ConfigError(f"eval_steps={e.eval_steps}: must be a positive number of batches, or -1 for one pass")
+    if e.eval_per_device_batch_size < 0:
+        raise ConfigError(f"eval_per_device_batch_size={e.eval_per_device_batch_size}: must be >= 0 "
+                          f"(0 = per_device_batch_size)")
+    if e.eval_dataset_path and d.dataset_type == "synthetic":
+        raise ConfigError("eval_dataset_path is set but dataset_type=synthetic reads no files; set dataset_type to "
+                          "the evaluation files' type (jsonl, parquet, arrayrecord or sft)")
+    if d.num_epoch < 0:
+        raise ConfigError(f"num_epoch={d.num_epoch}: must be >= 0 (0 = repeat the data until steps)")
 
 
 def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:

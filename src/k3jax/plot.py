@@ -3,8 +3,9 @@
 Reads ``<run dir>/metrics.jsonl`` (one JSON object per step, written by ``k3jax.metrics.
 MetricsWriter``) and draws loss (and accuracy when logged) against step, and tokens/s with model
 TFLOP/s per device against step. A resumed run appends to the same file, so a step can appear
-twice (the steps redone after the last checkpoint); the later record wins, as it is the one the
-surviving run produced. Uses matplotlib's Agg backend: no display needed.
+twice (the steps redone after the last checkpoint); the later record's values win, as they are the
+ones the surviving run produced. Evaluation metrics (``eval_loss``, ``eval_accuracy``, HellaSwag
+accuracy), logged at the steps that ran an evaluation, are drawn as points over the training curves. Uses matplotlib's Agg backend: no display needed.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise PlotError(f"{path}:{i}: not JSON ({e.msg})") from None
         if not isinstance(rec, dict) or "step" not in rec:
             raise PlotError(f"{path}:{i}: a record without a 'step'")
-        by_step[int(rec["step"])] = rec
+        by_step.setdefault(int(rec["step"]), {}).update(rec)
     if not by_step:
         raise PlotError(f"{path} is empty: no steps logged yet")
     return [by_step[s] for s in sorted(by_step)]
@@ -61,11 +62,20 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_loss.plot(steps, loss, color="tab:blue", label="loss")
     ax_loss.set_ylabel("loss")
     ax_loss.grid(alpha=0.3)
+    steps_e, eval_loss = _series(records, "eval_loss")
+    if eval_loss:
+        ax_loss.plot(steps_e, eval_loss, "o-", color="tab:purple", label="eval loss")
     steps_a, acc = _series(records, "accuracy")
     if acc:
         twin = ax_loss.twinx()
         twin.plot(steps_a, acc, color="tab:green", alpha=0.6, label="accuracy")
+        for key, style, color in (("eval_accuracy", "s--", "tab:olive"), ("eval_hellaswag_accuracy", "^--", "tab:brown")):
+            steps_k, vals = _series(records, key)
+            if vals:
+                twin.plot(steps_k, vals, style, color=color, label=key.replace("_", " "))
         twin.set_ylabel("accuracy")
+        twin.legend(loc="upper right", fontsize=8)
+    ax_loss.legend(loc="upper left", fontsize=8)
     ax_loss.set_title(f"{Path(run_dir).resolve().name}: {len(records)} steps, loss "
                       f"{loss[0]:.4g} -> {loss[-1]:.4g}" if loss else Path(run_dir).resolve().name)
 

@@ -155,7 +155,16 @@ def data_iterator(cfg, global_batch: int, tokenizer=None):
     return P.make_pipeline(dataset_type=cfg.data.dataset_type, paths=cfg.data.dataset_path, tokenizer=tokenizer,
                            seq_len=cfg.train.max_target_length, batch_size=per_host, seed=cfg.data.data_seed,
                            shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
-                           vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key)
+                           vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key,
+                           num_epochs=cfg.data.num_epoch or None, **sft_options(cfg))
+
+
+def sft_options(cfg) -> dict:
+    """The SFT settings of the data pipeline (training and evaluation read records alike)."""
+    from k3jax.data.chat_template import DEFAULT_SYSTEM
+    d = cfg.data
+    return {"sft_format": d.sft_format, "sft_overlong": d.sft_overlong,
+            "sft_default_system": DEFAULT_SYSTEM if d.sft_default_system_prompt else None}
 
 
 def global_batch(batch, mesh, rows: int):

@@ -12,6 +12,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import yaml
 
 from k3jax import config as C
@@ -19,13 +20,14 @@ from k3jax import counts
 from k3jax.checkpoint import Checkpointer
 from k3jax.cli import run_tool
 from k3jax.errors import UserError
+from k3jax.console import Console, timed_compile
+from k3jax.evaluate import Evaluator
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
 from k3jax.runtime import load_tokenizer
-from k3jax.sharding import make_mesh, maybe_initialize_distributed
+from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, restore_state
 from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
-
 
 
 class TrainingError(UserError, RuntimeError):
@@ -58,9 +60,12 @@ def train(cfg, *, on_step=None) -> dict:
     else:
         gdef, state, tx = init_state(cfg, mesh, optimizer=True)
     start = last or 0
-    step_fn = jit_train_step(cfg, gdef, tx, state)
-    flops_tok = counts.train_flops_per_token(cfg.model, cfg.train.max_target_length, cfg.kernel.kda_chunk_size)
-    peak = peak_tflops_per_device(cfg.train.peak_tflops)
+    step_fn = compile_train_step(cfg, gdef, tx, state, mesh, gb)
+    evaluator = Evaluator(cfg, mesh, gdef, tok) if cfg.eval.eval_dataset_path else None
+    console = Console(cfg, num_devices=n_dev, start_step=start, tokens_per_step=float(gb * cfg.train.max_target_length),
+                      flops_per_token=counts.train_flops_per_token(cfg.model, cfg.train.max_target_length,
+                                                                   cfg.kernel.kda_chunk_size),
+                      peak_tflops_per_device=peak_tflops_per_device(cfg.train.peak_tflops))
     writer = MetricsWriter(run_dir, cfg.train.enable_tensorboard)
     schedule = make_schedule(cfg.train)
     tty = sys.stdout.isatty()
@@ -68,7 +73,11 @@ def train(cfg, *, on_step=None) -> dict:
     t_last = time.perf_counter()
     try:
         for step in range(start, cfg.train.steps):
-            batch = global_batch(next(data), mesh, gb)
+            raw = next(data, None)
+            if raw is None:   # num_epoch passes are used up
+                _data_ran_out(cfg, step, start, ckpt, state, data, console)
+                break
+            batch = global_batch(raw, mesh, gb)
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, batch)
             m = jax.device_get(m)
@@ -76,30 +85,65 @@ def train(cfg, *, on_step=None) -> dict:
                 raise TrainingError(f"non-finite loss at step {step + 1} (loss={float(m['loss'])}, grad_norm="
                                     f"{float(m['grad_norm'])}); stopped without saving; the last good checkpoint "
                                     f"is kept (set nan_policy=skip to skip such steps)")
-            now = time.perf_counter()
-            dt, t_last = now - t_last, now
-            tokens = float(gb * cfg.train.max_target_length)  # processed, padding included
-            rec = {"step": step + 1, **{k: float(v) for k, v in m.items() if k != "finite"},
-                   "learning_rate": float(schedule(step)), "step_time_s": dt, "tokens_per_s": tokens / dt,
-                   "tflops_per_device": tokens * flops_tok / dt / n_dev / 1e12}
-            rec["mfu"] = rec["tflops_per_device"] / peak
+            # tokens processed, padding included; the time covers the batch's input and the step
+            rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)))
+            if evaluator and evaluator.due(step + 1):
+                rec.update(evaluator.run(state))
             history.append(rec)
             writer.write(rec)
             if on_step:
                 on_step(rec)
-            if (step + 1) % cfg.train.log_period == 0 or step == start or step + 1 == cfg.train.steps:
-                line = (f"step {step + 1:>6}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
-                        f"lr {rec['learning_rate']:.2e}  tok/s {rec['tokens_per_s']:.0f}  "
-                        f"TFLOP/s/dev {rec['tflops_per_device']:.3f}  MFU {100 * rec['mfu']:.2f}%")
-                print(("\r" if tty else "") + line, flush=True)
+            if console.due(step + 1) or "eval_loss" in rec:
+                print(("\r" if tty else "") + console.line(rec), flush=True)
             if ckpt and ((step + 1) % cfg.checkpoint.checkpoint_period == 0 or step + 1 == cfg.train.steps):
-                ckpt.save(step + 1, state["params"], state["opt_state"], state["rest"], data,
-                          force=step + 1 == cfg.train.steps)
+                _save(ckpt, step + 1, state, data, console, cfg, force=step + 1 == cfg.train.steps)
+            if ckpt:
+                console.poll_checkpoints(ckpt.saving())
+            t_last = time.perf_counter()   # evaluation, logging and checkpoint time are not step time
     finally:
         if ckpt:
             ckpt.close()
+            console.poll_checkpoints(False)
         writer.close()
+    _report_sft_fitting(cfg, data)
     return {"history": history, "state": state, "run_dir": run_dir}
+
+
+# ---- the parts of the loop an operator sees (k3jax.console) ---------------------------------------
+
+def compile_train_step(cfg, gdef, tx, state, mesh, rows: int):
+    """The train step compiled ahead of the first batch, against the batch's shapes and sharding,
+    with its compile time reported apart from the step times (and so out of the ETA)."""
+    sh = batch_sharding(mesh, 2)
+    t = cfg.train.max_target_length
+    batch = {k: jax.ShapeDtypeStruct((rows, t), np.float32 if k == "loss_mask" else np.int32, sharding=sh)
+             for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}
+    with jax.set_mesh(mesh):
+        return timed_compile("train step", jit_train_step(cfg, gdef, tx, state), state, batch)
+
+
+def _save(ckpt, step: int, state, data, console, cfg, *, force: bool) -> None:
+    t0 = time.perf_counter()
+    ckpt.save(step, state["params"], state["opt_state"], state["rest"], data, force=force)
+    console.checkpoint_started(step, t0, cfg.checkpoint.async_checkpointing)
+
+
+def _data_ran_out(cfg, step: int, start: int, ckpt, state, data, console) -> None:
+    """num_epoch passes are done before ``steps``: say so, and keep the state reached."""
+    print(f"the training data ran out after num_epoch={cfg.data.num_epoch} passes at step {step} of "
+          f"{cfg.train.steps}; stopping", flush=True)
+    if ckpt and step > start and step % cfg.checkpoint.checkpoint_period:
+        _save(ckpt, step, state, data, console, cfg, force=True)
+
+
+def _report_sft_fitting(cfg, data) -> None:
+    """Conversations longer than a row are never split (the pieces would lack their question):
+    how many were truncated or dropped, counted over the records read (the reader runs a little
+    ahead of the steps)."""
+    stats = getattr(data, "stats", None)
+    if stats is not None and (stats.sft_truncated or stats.sft_dropped):
+        print(f"sft: {stats.sft_truncated} conversations truncated and {stats.sft_dropped} dropped for being longer "
+              f"than max_target_length={cfg.train.max_target_length} (sft_overlong={cfg.data.sft_overlong})")
 
 
 def _run(cfg) -> int:

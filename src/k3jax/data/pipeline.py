@@ -59,6 +59,8 @@ class PipelineStats:
     split_docs: int = 0       # documents longer than seq_len, split into pieces
     pieces: int = 0           # pieces emitted to packing
     dropped_pieces: int = 0   # pieces with no prediction target (e.g. a 1-token tail)
+    sft_truncated: int = 0    # SFT conversations longer than seq_len, cut to their first seq_len tokens
+    sft_dropped: int = 0      # SFT conversations longer than seq_len, left out (sft_overlong=drop, or no answer fits)
     tokens: int = 0           # tokens in emitted pieces
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -125,10 +127,23 @@ class ParseDocument:
     """
 
     def __init__(self, dataset_type: str, tokenizer: KimiTokenizer | None, *, text_key: str,
-                 bad_data: str, stats: PipelineStats, add_eos: bool, sft_format: str):
+                 bad_data: str, stats: PipelineStats, add_eos: bool, sft_format: str,
+                 seq_len: int | None = None, sft_overlong: str = "truncate",
+                 sft_default_system: str | None = sft_lib.chat_template.DEFAULT_SYSTEM):
         self.dataset_type, self.tokenizer, self.text_key = dataset_type, tokenizer, text_key
         self.bad_data, self.stats, self.add_eos = bad_data, stats, add_eos
-        self.sft_format = sft_format
+        self.sft_format, self.seq_len, self.sft_overlong = sft_format, seq_len, sft_overlong
+        self.sft_default_system = sft_default_system
+
+    def _sft(self, tokens: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray] | None:
+        """A conversation fitted to one row (see `sft.fit_to_length`), counted when changed."""
+        if self.seq_len is not None and len(tokens) > self.seq_len:
+            fitted = sft_lib.fit_to_length(tokens, weights, self.seq_len, self.sft_overlong)
+            self.stats.add(**{"sft_dropped" if fitted is None else "sft_truncated": 1})
+            if fitted is None:
+                return None
+            tokens, weights = fitted
+        return {"tokens": tokens, "weights": weights} if weights.any() else None
 
     def _text(self, payload: Any) -> str:
         """The document text of a raw record, by source kind."""
@@ -163,10 +178,11 @@ class ParseDocument:
                 return None
             try:
                 messages = sft_lib.record_to_messages(_json(line), self.sft_format)
-                tokens, weights = sft_lib.conversation_to_example(self.tokenizer, messages)
+                tokens, weights = sft_lib.conversation_to_example(self.tokenizer, messages,
+                                                                  default_system=self.sft_default_system)
             except ValueError as e:
                 raise _BadRecord("bad_record", str(e)) from None
-            return {"tokens": tokens, "weights": weights} if weights.any() else None
+            return self._sft(tokens, weights)
         text = self._text(payload)
         if not text.strip():
             return None
@@ -289,7 +305,9 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
                  process_index: int | None = None, process_count: int | None = None,
                  bad_data: str = "skip", vocab_size: int | None = None, text_key: str = "text",
                  num_epochs: int | None = None, add_eos: bool = True,
-                 sft_format: str = "messages", num_packing_bins: int = 16,
+                 sft_format: str = "messages", sft_overlong: str = "truncate",
+                 sft_default_system: str | None = sft_lib.chat_template.DEFAULT_SYSTEM,
+                 num_packing_bins: int = 16,
                  read_threads: int = 2, prefetch: int = 64,
                  synthetic_len: tuple[int, int] | None = None
                  ) -> tuple[grain.IterDataset, PipelineStats]:
@@ -300,6 +318,8 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
         raise ValueError(f"bad_data must be one of {BAD_DATA_POLICIES}, got {bad_data!r}")
     if dataset_type == "sft" and sft_format not in sft_lib.SFT_FORMATS:
         raise ValueError(f"sft_format must be one of {sft_lib.SFT_FORMATS}, got {sft_format!r}")
+    if sft_overlong not in sft_lib.SFT_OVERLONG:
+        raise ValueError(f"sft_overlong must be one of {sft_lib.SFT_OVERLONG}, got {sft_overlong!r}")
     if dataset_type != "synthetic" and tokenizer is None:
         raise ValueError(f"dataset_type={dataset_type!r} needs a tokenizer")
     if seq_len < 2 or batch_size < 1:
@@ -322,7 +342,8 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
     ds = ds.map(ParseDocument(dataset_type, tokenizer, text_key=text_key, bad_data=bad_data,
-                              stats=stats, add_eos=add_eos, sft_format=sft_format))
+                              stats=stats, add_eos=add_eos, sft_format=sft_format, seq_len=seq_len,
+                              sft_overlong=sft_overlong, sft_default_system=sft_default_system))
     it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                                  prefetch_buffer_size=prefetch))
     it_ds = grain.experimental.FlatMapIterDataset(it_ds, _SplitDocument(seq_len, stats))
@@ -356,7 +377,9 @@ def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeni
       vocab_size: token range of synthetic data.
       text_key: JSON field (JSONL, ArrayRecord JSON records) or Parquet column of the text.
       num_epochs: None repeats forever; n stops after n passes (last partial batch dropped).
-      **options: add_eos (True), sft_format ("messages" | "hellaswag"), num_packing_bins (16),
+      **options: add_eos (True), sft_format ("messages" | "hellaswag"), sft_overlong ("truncate" |
+        "drop": SFT conversations longer than seq_len, see `sft.fit_to_length`), sft_default_system
+        (the system prompt given to conversations without one; None = none), num_packing_bins (16),
         read_threads (2), prefetch (64), synthetic_len ((min, max) doc length).
     Returns:
       `PipelineIterator` yielding the [B, T] batch dict described in the module docstring.

@@ -87,6 +87,45 @@ def conversation_to_example(tokenizer: KimiTokenizer, messages: Sequence[Mapping
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 
+SFT_OVERLONG = ("truncate", "drop")
+
+
+def fit_to_length(tokens: np.ndarray, weights: np.ndarray, seq_len: int,
+                  policy: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """A rendered conversation that must fit one training row of `seq_len` tokens.
+
+    The pipeline would otherwise cut an over-long conversation into seq_len pieces, and every
+    piece after the first would train the model to answer without the question. Here:
+      - it fits: returned unchanged;
+      - `policy="truncate"`: its first seq_len tokens (the system and user turns and the start of
+        the answer; the end of the conversation is cut), or None when no assistant token would be
+        left to predict inside them (the prompt alone fills the row);
+      - `policy="drop"`: None.
+    The caller counts the Nones.
+    """
+    if len(tokens) <= seq_len:
+        return tokens, weights
+    if policy not in SFT_OVERLONG:
+        raise ValueError(f"sft_overlong must be one of {SFT_OVERLONG}, got {policy!r}")
+    # Token i is a target of position i-1 (loss_mask[t] = weights[t+1]), so a row of seq_len
+    # tokens predicts weights[1:seq_len].
+    if policy == "drop" or not weights[1:seq_len].any():
+        return None
+    return tokens[:seq_len], weights[:seq_len]
+
+
+def hellaswag_candidates(tokenizer: KimiTokenizer, row: Mapping[str, Any], *,
+                        default_system: str | None = chat_template.DEFAULT_SYSTEM
+                        ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """The four endings of a HellaSwag row, each rendered as the assistant's answer to the row's
+    question (`conversation_to_example`), and the label: the model's HellaSwag choice is the
+    ending it gives the highest likelihood (lowest summed loss over the answer tokens)."""
+    user = hellaswag_to_messages(row)[:1]   # validates the row
+    examples = [conversation_to_example(tokenizer, user + [{"role": "assistant", "content": str(e).strip()}],
+                                        default_system=default_system) for e in row["endings"]]
+    return examples, int(row["label"])
+
+
 def hellaswag_prompt(tokenizer: KimiTokenizer, row: Mapping[str, Any]) -> list[int]:
     """Inference prompt for a HellaSwag row: the user turn plus the generation prompt, ready
     for the model to write the ending (used to evaluate an SFT model)."""

@@ -1,0 +1,189 @@
+"""Evaluation during training: held-out loss and token accuracy, and HellaSwag accuracy.
+
+``eval_dataset_path`` is read like the training data (the same dataset_type, tokenizer, sft_format
+and SFT fitting) but unshuffled and at most once, so every evaluation sees the same first
+``eval_steps`` batches (all of them with -1) and two evaluations compare the same tokens.
+
+* ``eval_loss`` / ``eval_accuracy``: masked next-token cross-entropy and argmax accuracy over every
+  target token of those batches, token-weighted like the training loss (for SFT: the assistant's
+  tokens only).
+* HellaSwag (``dataset_type=sft sft_format=hellaswag``): each row's four endings are rendered as
+  the assistant's answer to the row's question, one candidate per batch row; the model's choice is
+  the ending with the lowest summed loss, and ``eval_hellaswag_accuracy`` is the fraction of rows
+  whose choice is the label (chance: 0.25). ``eval_loss`` / ``eval_accuracy`` are then those of
+  the correct endings. ``eval_steps`` counts batches of candidates; a row counts once all four of
+  its endings were scored.
+
+The eval step is its own jitted function (forward only, no remat), compiled once for the eval batch
+shape on the training mesh against the training state's shardings, so evaluating never recompiles
+the train step. It returns per-row sums, replicated, which every process can read.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.console import timed_compile
+from k3jax.loss import chunked_row_losses
+from k3jax.sharding import batch_sharding
+from k3jax.step import global_batch, sft_options
+
+log = logging.getLogger(__name__)
+
+
+def eval_rows(cfg, num_devices: int) -> int:
+    """Global rows of an eval batch: eval_per_device_batch_size (0 = the training one) x devices."""
+    pdb = cfg.eval.eval_per_device_batch_size or cfg.train.per_device_batch_size
+    return max(1, int(round(pdb * num_devices)))
+
+
+def make_eval_step(cfg, gdef):
+    """(params, rest, batch) -> per-row (loss sum [B], target tokens [B], correct [B]), f32."""
+    def step(params, rest, batch):
+        model = nnx.merge(gdef, params, rest)
+        h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
+        return chunked_row_losses(h, model.head_weight(), batch["targets"], batch["loss_mask"],
+                                  chunk=cfg.kernel.loss_chunk_size)
+    return step
+
+
+def candidate_row(tokens: np.ndarray, weights: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """One scored sequence as one batch row (the pipeline's batch contract, one segment, padded)."""
+    n = len(tokens)
+    row = {"tokens": np.zeros(seq_len, np.int32), "targets": np.zeros(seq_len, np.int32),
+           "segment_ids": np.zeros(seq_len, np.int32), "positions": np.zeros(seq_len, np.int32),
+           "loss_mask": np.zeros(seq_len, np.float32)}
+    row["tokens"][:n] = tokens
+    row["targets"][:n - 1] = tokens[1:]
+    row["loss_mask"][:n - 1] = weights[1:]
+    row["segment_ids"][:n] = 1
+    row["positions"][:n] = np.arange(n)
+    return row
+
+
+def _filler_row(seq_len: int) -> dict[str, np.ndarray]:
+    """A row that fills the last batch: one segment of token 0 (an all-padding row would leave
+    attention with no key to attend to) and no target, so it adds nothing to any sum."""
+    return {"tokens": np.zeros(seq_len, np.int32), "targets": np.zeros(seq_len, np.int32),
+            "segment_ids": np.ones(seq_len, np.int32), "positions": np.arange(seq_len, dtype=np.int32),
+            "loss_mask": np.zeros(seq_len, np.float32)}
+
+
+def hellaswag_candidates(cfg, tokenizer) -> tuple[list[dict], np.ndarray, int]:
+    """Every row's four endings as batch rows (row-major), the labels, and the number of rows
+    skipped because a candidate is longer than max_target_length. Bad rows follow bad_data."""
+    from k3jax.data import sft
+    from k3jax.data.sources import DataError, JsonlSource
+    seq_len, system = cfg.train.max_target_length, sft_options(cfg)["sft_default_system"]
+    src = JsonlSource(cfg.eval.eval_dataset_path)
+    rows, labels, too_long = [], [], 0
+    for i in range(len(src)):
+        payload, where = src[i]
+        if not payload.strip():
+            continue
+        try:
+            cands, label = sft.hellaswag_candidates(tokenizer, json.loads(payload), default_system=system)
+        except (ValueError, UnicodeDecodeError) as e:   # json.JSONDecodeError is a ValueError
+            if cfg.data.bad_data == "fatal":
+                raise DataError(f"{where}: {e}") from None
+            log.warning("skipping bad HellaSwag row at %s: %s", where, e)
+            continue
+        if max(len(t) for t, _ in cands) > seq_len:
+            too_long += 1
+            continue
+        rows += [candidate_row(t, w, seq_len) for t, w in cands]
+        labels.append(label)
+    if not labels:
+        raise DataError(f"eval_dataset_path={cfg.eval.eval_dataset_path}: no HellaSwag row to evaluate "
+                        f"({too_long} longer than max_target_length={seq_len})")
+    return rows, np.asarray(labels), too_long
+
+
+class Evaluator:
+    """Runs an evaluation every ``eval_interval`` steps and after the last one (see module doc)."""
+
+    def __init__(self, cfg, mesh, gdef, tokenizer):
+        from k3jax.data import pipeline as P
+        self.cfg, self.mesh = cfg, mesh
+        self.rows = eval_rows(cfg, mesh.devices.size)
+        self.procs, self.proc = jax.process_count(), jax.process_index()
+        try:   # the eval batch is sharded over the batch axes like the training batch
+            batch_sharding(mesh, 2).shard_shape((self.rows, cfg.train.max_target_length))
+            assert self.rows % self.procs == 0
+        except (ValueError, AssertionError):
+            from k3jax.config import ConfigError
+            raise ConfigError(f"the eval batch of {self.rows} rows does not split over the mesh's batch shards "
+                              f"and {self.procs} processes; change eval_per_device_batch_size") from None
+        self.hellaswag = cfg.data.dataset_type == "sft" and cfg.data.sft_format == "hellaswag"
+        self.fn = jax.jit(make_eval_step(cfg, gdef), out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self.compiled = None
+        if self.hellaswag:
+            self.candidates, self.labels, self.too_long = hellaswag_candidates(cfg, tokenizer)
+        else:
+            self.dataset, _ = P.make_dataset(
+                dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
+                seq_len=cfg.train.max_target_length, batch_size=self.rows // self.procs, seed=cfg.data.data_seed,
+                shuffle=False, num_epochs=1, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
+                text_key=cfg.data.text_key, **sft_options(cfg))
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.train.steps
+
+    def _local_batches(self):
+        """This process's share of each eval batch (numpy), at most eval_steps of them."""
+        limit = self.cfg.eval.eval_steps
+        if self.hellaswag:
+            n = len(self.candidates)
+            seq_len = self.cfg.train.max_target_length
+            for i, start in enumerate(range(0, n, self.rows)):
+                if 0 < limit <= i:
+                    return
+                rows = self.candidates[start:start + self.rows]
+                rows = rows + [_filler_row(seq_len)] * (self.rows - len(rows))
+                per = self.rows // self.procs
+                mine = rows[self.proc * per:(self.proc + 1) * per]
+                yield {k: np.stack([r[k] for r in mine]) for k in mine[0]}
+            return
+        for i, batch in enumerate(iter(self.dataset)):
+            if 0 < limit <= i:
+                return
+            yield batch
+
+    def run(self, state) -> dict:
+        """One evaluation of ``state``: the eval_* metrics of the step record."""
+        t0 = time.perf_counter()
+        loss, weight, correct = [], [], []
+        for batch in self._local_batches():
+            g = global_batch(batch, self.mesh, self.rows)
+            args = (state["params"], state["rest"], g)
+            if self.compiled is None:
+                with jax.set_mesh(self.mesh):
+                    self.compiled = timed_compile("eval step", self.fn, *args)
+            out = jax.device_get(self.compiled(*args))
+            loss.append(out[0])
+            weight.append(out[1])
+            correct.append(out[2])
+        if not loss:
+            from k3jax.data.sources import DataError
+            raise DataError(f"eval_dataset_path={self.cfg.eval.eval_dataset_path} gives no full eval batch of "
+                            f"{self.rows} rows; add data or lower eval_per_device_batch_size")
+        loss, weight, correct = (np.concatenate(x) for x in (loss, weight, correct))
+        rec = {}
+        if self.hellaswag:
+            q = min(len(loss), len(self.candidates)) // 4       # questions with all four endings scored
+            scores = loss[:4 * q].reshape(q, 4)
+            labels = self.labels[:q]
+            pick = np.arange(q) * 4 + labels                      # the correct endings' rows
+            loss, weight, correct = loss[pick], weight[pick], correct[pick]
+            rec["eval_hellaswag_accuracy"] = float(np.mean(np.argmin(scores, -1) == labels))
+            rec["eval_hellaswag_rows"] = q
+        tokens = float(weight.sum())
+        rec.update(eval_loss=float(loss.sum() / max(tokens, 1.0)), eval_accuracy=float(correct.sum() / max(tokens, 1.0)),
+                   eval_tokens=tokens, eval_time_s=time.perf_counter() - t0)
+        return rec
