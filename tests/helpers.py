@@ -1,4 +1,4 @@
-"""Helpers shared by the KDA test files: seeded inputs, output-and-gradient runs, tolerances.
+"""Helpers shared by test files: KDA inputs, output-and-gradient runs and tolerances; randomize.
 
 test_kda_{chunked,pallas,sharded,decode}.py all compare a KDA path with the float64 token-serial
 reference the same way: the output, the final state and the gradients of q, k, v, g, beta and
@@ -14,6 +14,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from k3jax.kernels.kda import kda_reference
 
@@ -89,3 +90,14 @@ def assert_close(got, want, tol, skip=()):
     errs = {n: rel(a, b) for n, a, b in zip(NAMES, got, want) if n not in skip}
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative RMS errors above {tol}: {bad} (all: {errs})"
+
+
+def randomize(model, seed=0, scale=0.3):
+    """Make every weight of a model (AttnRes queries, router biases included) random and
+    O(1)-sensitive (numpy draws: hundreds of eager jax.random calls would each compile)."""
+    rng = np.random.default_rng(seed)
+    leaves, tdef = jax.tree.flatten(nnx.state(model))
+    new = [(np.asarray(x, np.float32) + scale * rng.standard_normal(x.shape) if x.ndim < 2
+            else scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in leaves]
+    nnx.update(model, jax.tree.unflatten(tdef, [jnp.asarray(x) for x in new]))
+    return model
