@@ -101,3 +101,29 @@ def randomize(model, seed=0, scale=0.3):
             else scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in leaves]
     nnx.update(model, jax.tree.unflatten(tdef, [jnp.asarray(x) for x in new]))
     return model
+
+
+# -- the tiny trained checkpoint shared by the decode and serving tests ------------------------------
+TINY_TRAIN = ["model_name=tiny", "vocab_size=512", "per_device_batch_size=2", "max_target_length=32",
+              "log_period=1", "enable_tensorboard=false", "async_checkpointing=false"]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def tool_env():
+    """Environment of a tool subprocess: one CPU device, the same in every process of a test, and
+    single-threaded Eigen so a matmul's reduction order cannot depend on thread scheduling."""
+    import os
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    e["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    return e
+
+
+def run_tool(tool, *args, check=True, timeout=600):
+    """``python -m k3jax.<tool> configs/base.yml *args`` -> CompletedProcess (AssertionError on failure)."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", f"k3jax.{tool}", "configs/base.yml", *args], env=tool_env(),
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{tool} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
