@@ -127,9 +127,10 @@ def test_concurrent_streams_equal_alone_and_generate(served):
     reqs = prompts(served.tok)
     with futures.ThreadPoolExecutor(len(reqs)) as pool:
         together = list(pool.map(lambda r: stream_completion(served.client, served.name, r[0], r[2]), reqs))
-    # Some prompts take several chunks, and every slot decoded at once.
+    # Some prompts take several chunks, and requests shared decode steps (how many at once depends
+    # on how prefill chunks and finishing requests interleave).
     assert max(len(r[1]) for r in reqs) > 2 * CHUNK
-    assert max(len(ids) for _, ids in served.engine.decode_log) == SLOTS
+    assert max(len(ids) for _, ids in served.engine.decode_log) >= SLOTS // 2
     stop = (served.tok.eos_id, served.tok.im_end_id)
     with jax.set_mesh(served.mesh):
         want, _ = generate(served.model, [r[1] for r in reqs], max_new_tokens=max(r[2] for r in reqs), stop_ids=stop)
@@ -316,3 +317,17 @@ def test_text_state_stops_and_utf8(stops, tokens, want, hit):
     if not ended:
         out += ts.finish()
     assert (out, ended) == (want, hit)
+
+
+def test_wire_round_trip():
+    from k3jax.serve.pod import Step, Wire
+    rng = np.random.default_rng(0)
+    w = Wire(slots=4, max_chunk=16)
+    dec = Step.decode(rng.integers(0, 500, 4), rng.integers(0, 90, 4), [True, False, True, True],
+                      rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2])
+    pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
+    for step in (dec, pre, Step.reset(2), Step("noop"), Step("stop")):
+        back = w.unpack(w.pack(step))
+        assert back.kind == step.kind and len(back.args) == len(step.args)
+        for a, b in zip(back.args, step.args):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -5,6 +5,8 @@ Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_pr
 serve_api_key; each slot holds max_target_length tokens (prompt + completion). The tokenizer is the
 checkpoint's (``tokenizer_path`` or the one recorded with it) and chat prompts use its own chat
 template. SIGTERM (or Ctrl-C) drains: no new connections, running and queued requests finish, exit 0.
+Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
+runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
 
 programs.py  the slot cache and the compiled decode / prefill-chunk / reset programs
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
@@ -12,6 +14,7 @@ text.py      incremental detokenisation and stop strings
 protocol.py  OpenAI request / response bodies
 api.py       the FastAPI routes
 metrics.py   Prometheus metrics
+pod.py       steps as fixed-size vectors, broadcast from process 0; the other processes' loop
 See docs/serving.md.
 """
 from __future__ import annotations
@@ -47,9 +50,14 @@ def build(cfg, mesh=None):
 
 
 def _run(cfg) -> int:
+    import jax
     import uvicorn
 
+    from k3jax.serve.pod import follow
+
     engine, app, _ = build(cfg)
+    if jax.process_index() != 0:    # a pod: process 0 serves HTTP and sends each step; the others run it
+        return follow(engine.p, engine.link)
     engine.start()
     sv = cfg.serve
     print(f"serving {cfg.model_name} on http://{sv.serve_host}:{sv.serve_port}/v1 "

@@ -10,9 +10,9 @@ The scheduler loop, one iteration at a time:
 4. one decode step for every generating slot at once (``Programs.decode``); the new request joins
    it at the next iteration.
 
-Each step's work is described by a ``Step`` (numpy arrays of fixed shapes). In a multi-process
-server process 0 plans the steps and broadcasts each one (``k3jax.serve.pod``); every process runs
-the same compiled program on it, so only process 0 needs the requests, the tokenizer and HTTP.
+Each step's work is a ``pod.Step`` (numpy arrays of fixed shapes) sent through ``pod.Link``: in a
+multi-process server process 0 plans the steps and broadcasts each one, and every process runs the
+same compiled program on it, so only process 0 needs the requests, the text and HTTP.
 
 Tokens become text on this thread (``TextState``), which also applies the stop strings; each
 request's ``sink`` receives ``Event`` objects and must be thread-safe (the HTTP layer hands them to
@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from k3jax.serve.pod import Link, Step, Wire
 from k3jax.serve.text import TextState
 
 
@@ -79,15 +80,14 @@ class Engine:
     """Owns the slots and the scheduler thread. ``submit`` / ``cancel`` may be called from any
     thread; everything else happens on the engine thread."""
 
-    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None, chunk: int | None = None,
-                 broadcast=None):
+    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None):
         self.p, self.tok = programs, tokenizer
         self.slots: list[Request | None] = [None] * programs.slots
         self.queue: collections.deque[Request] = collections.deque()
         self.max_queue, self.stop_ids = max_queue, frozenset(stop_ids)
-        self.chunk = chunk or programs.buckets[-1]
+        self.chunk = programs.buckets[-1]
         self.metrics = metrics
-        self.broadcast = broadcast            # multi-process: sends each Step to the other processes
+        self.link = Link(Wire(programs.slots, self.chunk))   # each step, as every process receives it
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -153,27 +153,29 @@ class Engine:
                 r.sink(Event("", [], [], finish_reason="error"))
             raise
         finally:
-            if self.broadcast is not None:
-                self.broadcast(None)   # followers stop
+            self.link.send(Step("stop"))   # followers (other processes) stop
 
     def _iterate(self) -> bool:
         with self._cv:
-            while True:
-                freed = self._drop_cancelled()
-                self._admit()
-                prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
-                decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
-                if prefilling or decoding or freed:
-                    break
+            freed = self._drop_cancelled()
+            self._admit()
+            prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
+            decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
+            if not (prefilling or decoding or freed):
                 if self._stopping and not self.queue:
                     return False
                 self._cv.wait(0.5)
+                idle = True
+            else:
+                idle = False
+        if idle:
+            self.link.heartbeat()
+            return True
         self.iteration += 1
         for slot in freed:
             self._run_step(Step.reset(slot))
         if prefilling:
-            r = min(prefilling, key=lambda r: r.submitted)
-            self._prefill_chunk(r)
+            self._prefill_chunk(min(prefilling, key=lambda r: r.submitted))
         if decoding:
             self._decode(decoding)
         return True
@@ -225,14 +227,12 @@ class Engine:
             temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = t, k, p, s, c
         self.decode_log.append((self.iteration, tuple(sorted(r.id for r in rows))))
         tok, lp, top_ids, top_lp = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p,
-                                                             seeds, counters))
+                                                              seeds, counters))
         for r in rows:
             self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
 
-    def _run_step(self, step: "Step"):
-        if self.broadcast is not None:
-            self.broadcast(step)
-        return step.run(self.p)
+    def _run_step(self, step: Step):
+        return self.link.send(step).run(self.p)
 
     def _accept(self, r: Request, token, lp, top_ids, top_lp) -> None:
         """One new token of request r: text, stop checks, the event to its sink."""
@@ -268,25 +268,3 @@ class Engine:
 
     def _piece(self, token: int) -> str:
         return self.tok.decode_bytes([token]).decode("utf-8", errors="replace")
-
-
-@dataclasses.dataclass
-class Step:
-    """One unit of device work with all its inputs, the same on every process."""
-    kind: str                       # "decode" | "prefill" | "reset"
-    args: tuple
-
-    @classmethod
-    def decode(cls, *args):
-        return cls("decode", args)
-
-    @classmethod
-    def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
-        return cls("prefill", (slot, np.asarray(tokens, np.int32), pos, temperature, top_k, top_p, seed, counter))
-
-    @classmethod
-    def reset(cls, slot):
-        return cls("reset", (slot,))
-
-    def run(self, programs):
-        return getattr(programs, self.kind)(*self.args)
