@@ -127,3 +127,19 @@ def run_tool(tool, *args, check=True, timeout=600):
     if check and p.returncode != 0:
         raise AssertionError(f"{tool} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def check_greedy(label, got, got_lp, want, ref_logprobs) -> bool:
+    """got == want token for token; at the first difference the reference's top-2 log-probability
+    gap must be below 1e-4 (a near tie that float rounding may break either way) and the chosen
+    token's log-probability must match the reference's to 1e-5; the sequences may part there.
+    -> whether they parted at a near tie."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            ref = ref_logprobs(i)
+            top2 = np.sort(ref)[-2:]
+            assert top2[1] - top2[0] < 1e-4, f"{label}: token {i} is {a}, want {b} (top-2 gap {top2[1] - top2[0]:.2e})"
+            assert abs(got_lp[i] - ref[a]) <= 1e-5, f"{label}: token {i}: logprob {got_lp[i]} vs {ref[a]}"
+            return True
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, want {len(want)}"
+    return False

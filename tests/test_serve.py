@@ -23,6 +23,8 @@ from k3jax.serve import build
 from k3jax.serve.api import create_app
 from k3jax.sharding import make_mesh
 
+from helpers import check_greedy
+
 CONTEXT, SLOTS, QUEUE, CHUNK = 96, 8, 8, 16
 SERVE = [f"max_target_length={CONTEXT}", f"serve_max_batch={SLOTS}", f"serve_max_queue={QUEUE}",
          f"serve_prefill_chunk={CHUNK}"]
@@ -89,22 +91,6 @@ def stream_completion(client, name, prompt, max_tokens, **kw):
                 out.logprobs += c.logprobs.token_logprobs
                 out.tops += c.logprobs.top_logprobs
     return out
-
-
-def check_greedy(label, got, got_lp, want, ref_logprobs) -> bool:
-    """got == want token for token; at the first difference the reference's top-2 log-probability
-    gap must be below 1e-4 (a near tie that float rounding may break either way) and the chosen
-    token's log-probability must match the reference's to 1e-5; the sequences may part there.
-    -> whether they parted at a near tie."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            ref = ref_logprobs(i)
-            top2 = np.sort(ref)[-2:]
-            assert top2[1] - top2[0] < 1e-4, f"{label}: token {i} is {a}, want {b} (top-2 gap {top2[1] - top2[0]:.2e})"
-            assert abs(got_lp[i] - ref[a]) <= 1e-5, f"{label}: token {i}: logprob {got_lp[i]} vs {ref[a]}"
-            return True
-    assert len(got) == len(want), f"{label}: {len(got)} tokens, want {len(want)}"
-    return False
 
 
 def prompts(tok):

@@ -19,6 +19,7 @@ See docs/serving.md.
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 from k3jax.cli import run_tool
@@ -62,9 +63,11 @@ def _run(cfg) -> int:
     sv = cfg.serve
     print(f"serving {cfg.model_name} on http://{sv.serve_host}:{sv.serve_port}/v1 "
           f"({sv.serve_max_batch} slots of {cfg.train.max_target_length} tokens)", file=sys.stderr, flush=True)
+    # uvicorn's own SIGTERM/SIGINT handling is the drain: it stops listening, lets every open request
+    # finish (the engine keeps generating for them), then returns and re-raises the signal into the
+    # handler that was there before it. For SIGTERM that is this no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        # uvicorn's own SIGTERM/SIGINT handling is the drain: it stops listening, lets every open
-        # request finish (the engine keeps generating for them), then returns.
         uvicorn.run(app, host=sv.serve_host, port=sv.serve_port, log_level="warning", timeout_graceful_shutdown=None)
     finally:
         engine.stop()

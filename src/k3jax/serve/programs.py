@@ -136,7 +136,9 @@ class Programs:
                           for x, s in zip(self.cache, self.cache_shardings)]
         host = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in host_args]
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        jitted = jax.jit(fn, donate_argnums=1)
+        # Host outputs replicated (any process reads its own copy whole); the cache keeps its layout.
+        out = self.cache_shardings if fn == self._reset_fn else (self.replicated, self.cache_shardings)
+        jitted = jax.jit(fn, donate_argnums=1, out_shardings=out)
         return jitted.lower(state, abstract_cache, *host).compile()
 
     # -- calls (numpy in, numpy out) ------------------------------------------------------------
