@@ -134,6 +134,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Draining as e:
             raise proto.ApiError(503, str(e), type="server_error", code="shutting_down") from None
+        except RuntimeError as e:      # the engine thread died (its traceback is in the server log)
+            raise proto.ApiError(503, str(e), type="server_error", code="engine_stopped") from None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(req, events, out, include_usage), media_type="text/event-stream")
