@@ -26,10 +26,14 @@ setup(
         "tensorboardX>=2.6",   # TensorBoard scalars
         "psutil>=5.9",
         "tensorstore>=0.1.60",  # streaming converter writes orbax leaves slice by slice
+        "fastapi>=0.165.0",    # k3jax.serve: the OpenAI-compatible HTTP API
+        "uvicorn>=0.54.0",     # k3jax.serve: the ASGI server
+        "prometheus-client>=0.26.0",  # k3jax.serve: /metrics
     ],
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.
-        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8"],
+        "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8",
+                "openai>=3.57.0"],    # the server tests talk to it with the real OpenAI client
         "tpu": ["jax[tpu]>=0.11.2"],
     },
 )

@@ -1,4 +1,4 @@
-"""Helpers shared by the KDA test files: seeded inputs, output-and-gradient runs, tolerances.
+"""Helpers shared by test files: KDA inputs, output-and-gradient runs and tolerances; randomize.
 
 test_kda_{chunked,pallas,sharded,decode}.py all compare a KDA path with the float64 token-serial
 reference the same way: the output, the final state and the gradients of q, k, v, g, beta and
@@ -14,6 +14,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from k3jax.kernels.kda import kda_reference
 
@@ -89,3 +90,56 @@ def assert_close(got, want, tol, skip=()):
     errs = {n: rel(a, b) for n, a, b in zip(NAMES, got, want) if n not in skip}
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"relative RMS errors above {tol}: {bad} (all: {errs})"
+
+
+def randomize(model, seed=0, scale=0.3):
+    """Make every weight of a model (AttnRes queries, router biases included) random and
+    O(1)-sensitive (numpy draws: hundreds of eager jax.random calls would each compile)."""
+    rng = np.random.default_rng(seed)
+    leaves, tdef = jax.tree.flatten(nnx.state(model))
+    new = [(np.asarray(x, np.float32) + scale * rng.standard_normal(x.shape) if x.ndim < 2
+            else scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in leaves]
+    nnx.update(model, jax.tree.unflatten(tdef, [jnp.asarray(x) for x in new]))
+    return model
+
+
+# -- the tiny trained checkpoint shared by the decode and serving tests ------------------------------
+TINY_TRAIN = ["model_name=tiny", "vocab_size=512", "per_device_batch_size=2", "max_target_length=32",
+              "log_period=1", "enable_tensorboard=false", "async_checkpointing=false"]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def tool_env():
+    """Environment of a tool subprocess: one CPU device, the same in every process of a test, and
+    single-threaded Eigen so a matmul's reduction order cannot depend on thread scheduling."""
+    import os
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    e["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    return e
+
+
+def run_tool(tool, *args, check=True, timeout=600):
+    """``python -m k3jax.<tool> configs/base.yml *args`` -> CompletedProcess (AssertionError on failure)."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", f"k3jax.{tool}", "configs/base.yml", *args], env=tool_env(),
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{tool} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def check_greedy(label, got, got_lp, want, ref_logprobs) -> bool:
+    """got == want token for token; at the first difference the reference's top-2 log-probability
+    gap must be below 1e-4 (a near tie that float rounding may break either way) and the chosen
+    token's log-probability must match the reference's to 1e-5; the sequences may part there.
+    -> whether they parted at a near tie."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            ref = ref_logprobs(i)
+            top2 = np.sort(ref)[-2:]
+            assert top2[1] - top2[0] < 1e-4, f"{label}: token {i} is {a}, want {b} (top-2 gap {top2[1] - top2[0]:.2e})"
+            assert abs(got_lp[i] - ref[a]) <= 1e-5, f"{label}: token {i}: logprob {got_lp[i]} vs {ref[a]}"
+            return True
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, want {len(want)}"
+    return False

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import k3_numpy_ref as ref
+from helpers import randomize
 from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
@@ -24,17 +25,6 @@ KIMI_LINEAR_TINY = ["model_name=tiny", "attn_res=false", "kda_gate=softplus", "k
 
 def cfg_of(*args):
     return C.load(C.REPO_CONFIGS / "base.yml", list(args))
-
-
-def randomize(model, seed=0, scale=0.3):
-    """Make every weight (AttnRes queries, router biases included) random and O(1)-sensitive
-    (numpy draws: hundreds of eager jax.random calls would each compile)."""
-    rng = np.random.default_rng(seed)
-    leaves, tdef = jax.tree.flatten(nnx.state(model))
-    new = [(np.asarray(x, np.float32) + scale * rng.standard_normal(x.shape) if x.ndim < 2
-            else scale * rng.standard_normal(x.shape)).astype(x.dtype) for x in leaves]
-    nnx.update(model, jax.tree.unflatten(tdef, [jnp.asarray(x) for x in new]))
-    return model
 
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])

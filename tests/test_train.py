@@ -9,24 +9,7 @@ import time
 
 import pytest
 
-TINY = ["model_name=tiny", "vocab_size=512", "per_device_batch_size=2", "max_target_length=32",
-        "log_period=1", "enable_tensorboard=false", "async_checkpointing=false"]
-
-
-def env():
-    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    # One device, the same in every process of a test; single-threaded Eigen so a matmul's
-    # reduction order cannot depend on how the host's threads were scheduled.
-    e["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
-    return e
-
-
-def run(tool, *args, check=True, timeout=600):
-    p = subprocess.run([sys.executable, "-m", f"k3jax.{tool}", "configs/base.yml", *args], env=env(),
-                       capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(os.path.dirname(__file__)))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{tool} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
+from helpers import TINY_TRAIN as TINY, tool_env as env, run_tool as run
 
 
 def losses(run_dir):
@@ -61,21 +44,20 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     assert got == want, {s: (got[s], want[s]) for s in want if got[s] != want[s]}
 
 
-def test_metrics_checkpoint_and_decode(tmp_path):
-    run("train", *TINY, f"base_output_directory={tmp_path}", "run_name=r", "steps=4", "checkpoint_period=2")
-    rec = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+def test_metrics_checkpoint_and_decode(tiny_run):
+    rec = json.loads((tiny_run.run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("step", "loss", "tokens_per_s", "tflops_per_device", "mfu", "grad_norm", "learning_rate",
                 "expert_load_max_over_mean"):
         assert key in rec
-    assert (tmp_path / "r" / "config.yml").exists()
-    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
-    out = run("decode", *TINY, f"base_output_directory={tmp_path}",
-              f"load_parameters_path={tmp_path}/r/checkpoints/4", "prompt=I love to", "max_new_tokens=5")
+    assert (tiny_run.run / "config.yml").exists()
+    assert sorted(p.name for p in (tiny_run.run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    out = run("decode", *tiny_run.args, f"load_parameters_path={tiny_run.checkpoint}", "prompt=I love to",
+              "max_new_tokens=5")
     assert "decode" in out.stdout and "tokens/s" in out.stdout
     assert "RANDOM" not in out.stderr
     # Streaming (incremental UTF-8 over token bytes) prints the same greedy text as the batch path.
-    batch = run("decode", *TINY, f"base_output_directory={tmp_path}", "stream=false",
-                f"load_parameters_path={tmp_path}/r/checkpoints/4", "prompt=I love to", "max_new_tokens=5")
+    batch = run("decode", *tiny_run.args, "stream=false", f"load_parameters_path={tiny_run.checkpoint}",
+                "prompt=I love to", "max_new_tokens=5")
     assert batch.stdout.rsplit("\nprefill ", 1)[0] == "I love to" + out.stdout.rsplit("\nprefill ", 1)[0], \
         (batch.stdout, out.stdout)
 

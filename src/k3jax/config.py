@@ -255,6 +255,16 @@ class DecodeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    serve_host: str = _f("127.0.0.1", "serve: address to listen on (0.0.0.0 = every interface)")
+    serve_port: int = _f(8000, "serve: TCP port of the OpenAI-compatible HTTP API")
+    serve_max_batch: int = _f(8, "serve: decode slots (requests generating at once); each holds a cache of max_target_length tokens")
+    serve_max_queue: int = _f(64, "serve: requests waiting for a slot; more get HTTP 429")
+    serve_prefill_chunk: int = _f(256, "serve: prompt tokens prefilled per step between decode steps (compiled chunk sizes: powers of two from 32 up to it)")
+    serve_api_key: Optional[str] = _f(None, "serve: bearer token every /v1 request must carry; null = no key")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckConfig:
     golden: Optional[str] = _f(None, "logit_check: .npz with tokens [B,T] and reference logits [B,T,V]")
     max_kl: float = _f(0.01, "logit_check: fail when the max per-token KL divergence exceeds this")
@@ -273,7 +283,8 @@ class CompileConfig:
 
 
 SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
-            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "check": CheckConfig, "compile": CompileConfig}
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "serve": ServeConfig,
+            "check": CheckConfig, "compile": CompileConfig}
 TOP_LEVEL = ("model_name",)
 
 
@@ -288,6 +299,7 @@ class Config:
     checkpoint: CheckpointConfig
     mesh: MeshConfig
     decode: DecodeConfig
+    serve: ServeConfig
     check: CheckConfig
     compile: CompileConfig
 
@@ -535,6 +547,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a multiple of 16 (sub-block size)")
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
+    sv = cfg.serve
+    for name in ("serve_max_batch", "serve_prefill_chunk"):
+        if getattr(sv, name) <= 0:
+            raise ConfigError(f"{name}={getattr(sv, name)}: must be positive")
+    if sv.serve_max_queue < 0:
+        raise ConfigError(f"serve_max_queue={sv.serve_max_queue}: must be >= 0")
+    if not 0 <= sv.serve_port <= 65535:
+        raise ConfigError(f"serve_port={sv.serve_port}: must be a TCP port (0..65535; 0 = any free port)")
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
     _validate_eval_and_sft(cfg)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import codecs
 import functools
-import sys
 import time
 
 import jax
@@ -22,8 +21,9 @@ from flax import nnx
 from k3jax import config as C
 from k3jax.cli import run_tool
 from k3jax.runtime import load_tokenizer
+from k3jax.sampling import sample
 from k3jax.sharding import make_mesh
-from k3jax.state import init_state, restore_model
+from k3jax.state import load_model
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0):
@@ -51,23 +51,6 @@ def prefill(model, tokens, segment_ids, start, total_len: int):
     pad = lambda x, s: jnp.pad(x.astype(s[1]), [(0, want - have) for have, want in zip(x.shape, s[0])])  # noqa: E731
     cache = jax.tree.map(pad, caches, spec)
     return logits, cache
-
-
-def sample(logits, key, *, greedy: bool, temperature: float, top_k: int, top_p: float):
-    """logits [B,V] f32 -> token ids [B]."""
-    if greedy:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    logits = logits / max(temperature, 1e-6)
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        order = jnp.sort(logits, -1)[:, ::-1]
-        probs = jax.nn.softmax(order, -1)
-        keep = jnp.cumsum(probs, -1) - probs < top_p                      # always keeps the top token
-        cutoff = jnp.min(jnp.where(keep, order, jnp.inf), -1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
@@ -122,24 +105,14 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
     return out, timing
 
 
-def load_model(cfg, mesh):
-    """Sharded model with parameters restored from load_parameters_path straight into their
-    shardings (no random init first), or random weights with a loud warning."""
-    if not cfg.checkpoint.load_parameters_path:
-        print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
-        gdef, state, _ = init_state(cfg, mesh)
-        return nnx.merge(gdef, state["params"], state["rest"])
-    return restore_model(cfg, mesh)
-
-
 def _run(cfg) -> int:
     d = cfg.decode
     if not d.prompt.strip():
         raise C.ConfigError("prompt is empty; pass prompt=\"some text\"")
     tok = load_tokenizer(cfg)
     if d.chat:
-        from k3jax.data.chat_template import render
-        ids, _ = render(tok, [{"role": "user", "content": d.prompt}], add_generation_prompt=True)
+        from k3jax.data.chat_template import chat_ids
+        ids = chat_ids(tok, [{"role": "user", "content": d.prompt}])
     else:
         ids = tok.encode(d.prompt, add_bos=True)
     budget = d.max_prefill_length or cfg.train.max_target_length

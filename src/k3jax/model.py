@@ -97,6 +97,19 @@ class DecoderLayer(nnx.Module):
         res, _ = self._post_mixer(res, a[:, None], False)
         return res, cache
 
+    def extend(self, res, cache, pos, lengths, *, first=False, block_start=False):
+        """A chunk of tokens per row continuing its cache (chunked prefill): res leaves [B,T,D];
+        pos [B] tokens already cached, lengths [B] real tokens in the chunk -> (res, new cache)."""
+        x, res = self._pre_mixer(res, first, block_start)
+        h = self.input_layernorm(x)
+        with jax.named_scope("mixer"):
+            if self.mixer == "kda":
+                a, cache = self.self_attn.extend(h, cache, lengths)
+            else:
+                a, cache = self.self_attn.extend(h, cache, pos)
+        res, _ = self._post_mixer(res, a, False)
+        return res, cache
+
 
 class Period(nnx.Module):
     """One layer period (e.g. KDA, KDA, KDA, MLA with MoE FFNs), stacked ``n`` deep for the scan."""
@@ -252,17 +265,35 @@ class K3Model(nnx.Module):
 
         return self.layout.map(one)
 
+    def _logits(self, h):
+        return jnp.einsum("bd,dv->bv", h, self.head_weight().astype(h.dtype), preferred_element_type=jnp.float32)
+
     def decode_step(self, tokens, cache, pos, start):
-        """tokens [B] at absolute slot ``pos`` -> (logits [B,V] f32, new cache)."""
+        """tokens [B] at cache slot ``pos`` (a scalar for rows aligned by left padding, or [B]: each
+        row at its own slot, as in a continuous batch) -> (logits [B,V] f32, new cache)."""
         res = self._initial_residual(self.embed(tokens[:, None]))
 
         def step(layer, res, flags, c):
             return layer.decode(res, c, pos, start, **flags)
 
         res, new = self._walk(res, step, per_site=cache)
-        h = self.final_hidden(res)[:, 0]
-        logits = jnp.einsum("bd,dv->bv", h, self.head_weight().astype(h.dtype), preferred_element_type=jnp.float32)
-        return logits, new
+        return self._logits(self.final_hidden(res)[:, 0]), new
+
+    def extend(self, tokens, cache, pos, lengths):
+        """Chunked prefill: tokens [B,T], the next T tokens of each row, continuing a cache that
+        holds the row's first pos[b] tokens in slots 0..pos[b]-1 (rows start at slot 0: no left
+        padding). The first lengths[b] >= 1 tokens are real, the rest pad the chunk to a fixed
+        shape. Returns (logits [B,V] f32 after each row's last real token, new cache), the cache
+        as if the row's tokens so far had been prefilled in one piece."""
+        res = self._initial_residual(self.embed(tokens))
+
+        def step(layer, res, flags, c):
+            return layer.extend(res, c, pos, lengths, **flags)
+
+        res, new = self._walk(res, step, per_site=cache)
+        h = self.final_hidden(res)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return self._logits(last), new
 
 
 FLAT_INIT_MAX_PARAMS = 2 ** 28  # below this, init draws from two flat buffers (fast CPU compiles)

@@ -136,3 +136,13 @@ def restore_model(cfg, mesh) -> M.K3Model:
     """The model with ``load_parameters_path``'s weights on ``mesh`` (decode, logit_check, serving)."""
     gdef, state, _ = restore_state(cfg, mesh)
     return nnx.merge(gdef, state["params"], state["rest"])
+
+
+def load_model(cfg, mesh) -> M.K3Model:
+    """The model for inference (decode, serve): ``load_parameters_path``'s weights restored straight
+    into their shardings, or random weights with a loud warning when no path is given."""
+    if not cfg.checkpoint.load_parameters_path:
+        print("WARNING: no load_parameters_path given: decoding with RANDOM weights", file=sys.stderr)
+        gdef, state, _ = init_state(cfg, mesh)
+        return nnx.merge(gdef, state["params"], state["rest"])
+    return restore_model(cfg, mesh)

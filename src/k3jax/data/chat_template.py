@@ -17,13 +17,17 @@ arguments) is encoded as ORDINARY text, so a user typing "<|im_end|>" cannot end
 loss mask is 1 on exactly the tokens the assistant produces: its content, tool calls and the
 closing <|im_end|> (the stop token it must learn), 0 on headers, prompts and other roles.
 
-K3 uses different markup (`<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>`): render K3
-prompts from the checkpoint's own jinja with `render_with_jinja`.
+K3 uses different markup (`<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>`): `chat_ids` renders
+any checkpoint's own jinja template (K3, K2, Kimi Linear) in a sandbox to ids, with the same rule
+that message text stays ordinary text; `render` is the built-in K2 markup for tokenizers that ship
+no template.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -184,10 +188,80 @@ def render_with_jinja(model_dir: str | os.PathLike, messages: Sequence[Message],
     (the engine behind `apply_chat_template`), without loading a tokenizer class, so no
     `tokenization_*.py` from the directory is imported. Returns the rendered text; encode it
     with `KimiTokenizer.encode_with_special_tokens` only if every message is trusted."""
+    return _render_jinja(read_chat_template(model_dir), messages, add_generation_prompt=add_generation_prompt,
+                         tools=tools)
+
+
+def _render_jinja(template: str, messages, *, add_generation_prompt: bool, tools) -> str:
+    """transformers' renderer (the engine behind `apply_chat_template`: an immutable sandboxed
+    jinja2 environment, so a template can call no Python beyond its filters) on a template string."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(
-        conversations=[list(messages)], tools=list(tools) if tools else None,
-        chat_template=read_chat_template(model_dir),
-        add_generation_prompt=add_generation_prompt)
+    rendered, _ = render_jinja_template(conversations=[list(messages)], tools=list(tools) if tools else None,
+                                        chat_template=template, add_generation_prompt=add_generation_prompt)
     return rendered[0]
+
+
+def _specials_in(text: str, tokenizer: KimiTokenizer) -> list[str]:
+    return [name for name in tokenizer.special_ids if name in text]
+
+
+def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """A conversation -> prompt ids in the checkpoint's own chat markup; the text messages carry
+    (content, names, tool-call ids and arguments) stays ORDINARY text, so a user typing
+    `<|im_end|>` or `<|end_of_msg|>` cannot close a turn.
+
+    With a `chat_template` in the tokenizer directory (K3's `<|open|>`/`<|sep|>`/`<|close|>`
+    markup, or K2's), the template is rendered twice in a sandbox: once as is, once with every
+    message string replaced by a unique marker. Where the two agree once the markers are put back
+    (the template copied the strings verbatim), the marked rendering tells template text (encoded
+    with its control tokens) from message text (encoded as text). A template that rewrites a
+    string that contains a special-token name is refused (ValueError): its rendering no longer says
+    which characters came from the user. Without a template, the built-in K2 markup (`render`).
+    Tool schemas are rendered by the template itself (tojson), so they must not contain
+    special-token names either.
+    """
+    template = tokenizer.chat_template
+    if template is None:
+        return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)[0]
+    bad = _specials_in(json.dumps(list(tools or []), ensure_ascii=False), tokenizer)
+    if bad:
+        raise ValueError(f"tool schemas contain the special-token strings {bad[:3]}; remove them")
+    nonce = secrets.token_hex(8)
+    texts: list[str] = []
+
+    def mark(value: Any) -> Any:
+        if not isinstance(value, str):             # e.g. tool arguments as a dict: the template's tojson
+            if value is not None and _specials_in(json.dumps(value, ensure_ascii=False, default=str), tokenizer):
+                raise ValueError("tool-call arguments contain special-token strings; pass them as a JSON string")
+            return value
+        texts.append(value)
+        return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+
+    marked = []
+    for m in messages:
+        m = dict(m)
+        m["content"] = mark(_content_text(m))
+        for key in ("name", "tool_call_id"):
+            if key in m:
+                m[key] = mark(m[key])
+        if m.get("tool_calls"):
+            m["tool_calls"] = [dict(c, id=mark(c.get("id")) if c.get("id") else c.get("id"),
+                                    function=dict(c["function"], arguments=mark(c["function"]["arguments"])))
+                               for c in m["tool_calls"]]
+        marked.append(m)
+    plain = [dict(m, content=_content_text(m)) for m in messages]
+    kw = dict(add_generation_prompt=add_generation_prompt, tools=tools)
+    real = _render_jinja(template, plain, **kw)
+    pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", _render_jinja(template, marked, **kw))
+    # pieces alternate: template text, marker index, template text, ...
+    if "".join(texts[int(p)] if i % 2 else p for i, p in enumerate(pieces)) != real:
+        if any(_specials_in(t, tokenizer) for t in texts):
+            raise ValueError("the chat template rewrites message text that contains special-token strings, "
+                             "so they cannot be kept as text; remove them from the messages")
+        return tokenizer.encode_with_special_tokens(real)   # no message string could inject a token
+    ids: list[int] = []
+    for i, p in enumerate(pieces):
+        ids += tokenizer.encode(texts[int(p)]) if i % 2 else tokenizer.encode_with_special_tokens(p)
+    return ids

@@ -135,6 +135,41 @@ class KDA(nnx.Module):
         return self._output(o, x), new
 
 
+    # -- chunk path (chunked prefill continuing a cache) ---------------------------------------
+    def extend(self, x, cache, lengths):
+        """x [B,T,D]: the next T tokens of each row, of which the first lengths[b] are real and the
+        rest pad a fixed-size chunk; cache: the per-row state after the row's earlier tokens.
+        Returns (out [B,T,D], cache after the real tokens) -> exactly the state a single pass over
+        all the row's tokens would leave (tests/test_serve_model.py).
+
+        Padding is made a no-op rather than a new document (segment ids would reset the carried
+        state): its inputs to the convolutions are zero, and its decay g = 0 and write strength
+        beta = 0 leave the recurrent state as it is (S' = exp(0) S + k (0 * ...)^T). The conv
+        state is the window of inputs ending at each row's last real token.
+        """
+        t = x.shape[1]
+        keep = jnp.arange(t)[None, :] < lengths[:, None]                       # [B,T]
+        new = {}
+        outs = []
+        for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                            ("v", self.v_proj, self.v_conv)):
+            z = (self._proj(x, w) * keep[..., None].astype(x.dtype)).astype(jnp.float32)
+            prev = cache[f"conv_{name}"]                                        # [B,C,W-1]
+            y, _ = short_conv(z, cw[...], initial_state=prev)
+            window = jnp.concatenate([jnp.swapaxes(prev, 1, 2).astype(z.dtype), z], axis=1)  # [B,W-1+T,C]
+            idx = lengths[:, None] + jnp.arange(prev.shape[-1])[None, :]       # inputs ending at the last real one
+            new[f"conv_{name}"] = jnp.swapaxes(jnp.take_along_axis(window, idx[..., None], axis=1), 1, 2)
+            outs.append(self._heads(jax.nn.silu(y)))
+        q, k, v = outs
+        q, k = l2_normalize(q), l2_normalize(k)
+        beta = jnp.where(keep[..., None], jax.nn.sigmoid(self._proj(x, self.b_proj).astype(jnp.float32)), 0.0)
+        g = jnp.where(keep[..., None, None], self._gate(x), 0.0)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_heads", None))
+        o, new["state"] = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=cache["state"])
+        return self._output(o, x), new
+
+
 def kda_cache_shapes(cfg, batch: int) -> dict[str, tuple[tuple[int, ...], jnp.dtype, tuple]]:
     """Per-layer KDA decode cache: three conv states and the f32 recurrent state (length-free)."""
     p = cfg.kda_num_heads * cfg.kda_head_dim

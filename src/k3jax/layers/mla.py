@@ -1,8 +1,9 @@
 """Gated Multi-head Latent Attention (k3-architecture.md §5), NoPE by default.
 
-Training/prefill: full per-head keys/values from the latent. Decode: only the normalised latent
-``c`` [R] and the shared key slice ``k_r`` [Rr] are cached (576 values per token for K3) and ``kv_b``
-is absorbed into the query (W_UK) and output (W_UV) sides.
+Training/prefill: full per-head keys/values from the latent. Decode and chunked prefill (``extend``,
+a chunk continuing a cache): only the normalised latent ``c`` [R] and the shared key slice ``k_r``
+[Rr] are cached (576 values per token for K3) and ``kv_b`` is absorbed into the query (W_UK) and
+output (W_UV) sides.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.kernels.attention import get_attention_fn, latent_decode_attention
+from k3jax.kernels.attention import get_attention_fn, latent_attention
 from k3jax.layers.common import ones, param, rms_norm
 from k3jax.layers.rope import apply_rope, softmax_scale
 from k3jax.sharding import constrain
@@ -88,27 +89,50 @@ class MLA(nnx.Module):
         out = self._finish(o, x)
         return out, {"max_logits": m}, ({"c": lat, "k_r": k_r} if return_cache else None)
 
-    def decode(self, x, cache, pos, start):
-        """One token per row. x [B,D]; cache {"c": [B,S,R], "k_r": [B,S,Rr]}; pos: scalar write
-        index (all rows aligned by left padding); start [B]: first valid cache slot per row."""
+    def _write(self, cache, lat, k_r, slots):
+        """Scatter the new tokens' latents into each row's cache: lat [B,T,R], k_r [B,T,Rr] at
+        slots [B,T]. Slots past the cache end are dropped (a padded chunk tail, an idle row)."""
+        rows = jnp.arange(lat.shape[0])[:, None]
+        return {"c": cache["c"].at[rows, slots].set(lat.astype(cache["c"].dtype), mode="drop"),
+                "k_r": cache["k_r"].at[rows, slots].set(k_r.astype(cache["k_r"].dtype), mode="drop")}
+
+    def _attend_cache(self, x, cache, slots, valid, rope_pos):
+        """The absorbed path shared by decode and chunked prefill: x [B,T,D] at cache slots [B,T]
+        (rope positions rope_pos [B,T]), valid [B,T,S] -> (out [B,T,D], new cache)."""
         c = self.cfg
-        q_nope, q_rope = self._query(x)                                   # [B,H,dn], [B,H,dr]
+        q_nope, q_rope = self._query(x)                                   # [B,T,H,dn], [B,T,H,dr]
         lat, k_r = self._latent(x)
         if c.mla_use_rope:
-            p = (pos - start)[:, None]                                 # position within the prompt
-            q_rope = apply_rope(q_rope[:, None], p, c)[:, 0]
-            k_r = apply_rope(k_r[:, None, None, :], p, c)[:, 0, 0]
-        new = {"c": jax.lax.dynamic_update_slice_in_dim(cache["c"], lat[:, None].astype(cache["c"].dtype), pos, 1),
-               "k_r": jax.lax.dynamic_update_slice_in_dim(cache["k_r"], k_r[:, None].astype(cache["k_r"].dtype), pos, 1)}
+            q_rope = apply_rope(q_rope, rope_pos, c)
+            k_r = apply_rope(k_r[..., None, :], rope_pos, c)[..., 0, :]
+        new = self._write(cache, lat, k_r, slots)
         w = self._w(self.kv_b_proj, jnp.float32).reshape(c.kv_lora_rank, self.num_heads, -1)
         w_uk, w_uv = w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
-        q_lat = jnp.einsum("bhn,rhn->bhr", q_nope.astype(jnp.float32), w_uk)
-        s = jnp.arange(cache["c"].shape[1])
-        valid = (s[None, :] >= start[:, None]) & (s[None, :] <= pos)
-        o_lat = latent_decode_attention(q_lat, q_rope.astype(jnp.float32), new["c"], new["k_r"], valid,
-                                        scale=self.scale)
-        o = jnp.einsum("bhr,rhv->bhv", o_lat, w_uv)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), w_uk)
+        o_lat = latent_attention(q_lat, q_rope.astype(jnp.float32), new["c"], new["k_r"], valid, scale=self.scale)
+        o = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
         return self._finish(o, x), new
+
+    def decode(self, x, cache, pos, start):
+        """One token per row. x [B,D]; cache {"c": [B,S,R], "k_r": [B,S,Rr]}; pos: the write slot,
+        a scalar (rows aligned by left padding) or [B] (each row at its own slot, as the slots of a
+        continuous batch are; a slot >= S writes nothing); start [B]: first valid cache slot per row."""
+        pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), start.shape)
+        s = jnp.arange(cache["c"].shape[1])
+        valid = (s[None, :] >= start[:, None]) & (s[None, :] <= pos[:, None])
+        out, new = self._attend_cache(x[:, None], cache, pos[:, None], valid[:, None], (pos - start)[:, None])
+        return out[:, 0], new
+
+    def extend(self, x, cache, pos):
+        """Chunked prefill: x [B,T,D], the next T tokens of each row, continuing a cache that holds
+        each row's first pos[b] tokens in slots 0..pos[b]-1 (no left padding). Token t sits at slot
+        pos[b] + t and sees slots 0..pos[b] + t: the cached latent plus the chunk's causal prefix.
+        Returns (out [B,T,D], new cache). Tokens past a row's real length (a padded chunk tail)
+        write slots later tokens overwrite before anything reads them."""
+        t = x.shape[1]
+        slots = pos[:, None] + jnp.arange(t)[None, :]                       # [B,T]
+        valid = jnp.arange(cache["c"].shape[1])[None, None, :] <= slots[..., None]
+        return self._attend_cache(x, cache, slots, valid, slots)
 
 
 def mla_cache_shapes(cfg, batch: int, length: int, dtype=jnp.float32):

@@ -3,11 +3,11 @@ absorbed latent-cache decode attention. See docs/kernels.md.
 
 reference.py  causal_attention: the plain jnp oracle (also attention_impl="jnp")
 prefill.py    blocked_attention, tokamax_attention: production prefill/training paths
-decode.py     latent_decode_attention: absorbed attention over the latent cache
+decode.py     latent_attention / latent_decode_attention: absorbed attention over the latent cache
 common.py     NEG_INF, max_logits: shared by all of the above
 """
 from k3jax.kernels.attention.common import max_logits  # noqa: F401
-from k3jax.kernels.attention.decode import latent_decode_attention  # noqa: F401
+from k3jax.kernels.attention.decode import latent_attention, latent_decode_attention  # noqa: F401
 from k3jax.kernels.attention.prefill import blocked_attention, tokamax_attention
 from k3jax.kernels.attention.reference import causal_attention
 

@@ -1,0 +1,197 @@
+"""Serving speed on one CPU device: the OpenAI-compatible server under concurrent load vs the
+one-prompt decode CLI, on the same checkpoint.
+
+Makes a checkpoint of --config with random weights (speed only; orbax, like a trained one) and a
+tokenizer directory for its vocabulary, then:
+
+1. the one-prompt baseline: ``python -m k3jax.decode`` on a prompt of --prompt-len tokens with
+   --new-tokens new tokens, as a user would run it; its own printed prefill / decode tokens/s
+   (compilation excluded);
+2. ``python -m k3jax.serve`` as a subprocess (serve_max_batch = the largest concurrency), and for
+   each concurrency C in --concurrency, C client threads each sending --requests-per-client
+   streaming completions (random prompts of --prompt-len token ids, max_tokens = --new-tokens,
+   ignore_eos so every request generates exactly that many, greedy) back to back. Per level:
+   output tokens/s = all generated tokens / wall time from the first request to the last answer;
+   time to first token (request sent -> first token received) and inter-token latency (gaps
+   between consecutive tokens of a request) as p50 / p99 over all requests. A warm-up request runs
+   first so compilation is not measured.
+
+    .venv/bin/python benchmarks/serve.py                     # small, concurrency 1 8 32
+    .venv/bin/python benchmarks/serve.py --config tiny --concurrency 1 8
+Results: stdout table and benchmarks/results/serve.json (--out to change).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from common import ROOT, cpu_only, machine, print_table, result_path, write_json
+
+cpu_only()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3jax import config as C  # noqa: E402
+from k3jax.checkpoint import Checkpointer  # noqa: E402
+from k3jax.data import tiny_tokenizer  # noqa: E402
+from k3jax.sharding import make_mesh  # noqa: E402
+from k3jax.state import init_state  # noqa: E402
+
+SETTINGS = ["dtype=float32", "weight_dtype=float32"]
+
+
+def make_checkpoint(name: str, work: str) -> tuple[list[str], str]:
+    """Random-weight checkpoint + tokenizer of config ``name`` -> (key=value args, checkpoint path)."""
+    cfg = C.load(overrides=[f"model_name={name}", *SETTINGS])
+    tok = tiny_tokenizer.build(os.path.join(work, "tokenizer"), vocab_size=cfg.model.vocab_size,
+                               num_reserved=256 if cfg.model.vocab_size >= 4096 else tiny_tokenizer.MIN_RESERVED)
+    gdef, state, _ = init_state(cfg, make_mesh(cfg, jax.devices()[:1]))
+    ckpt = Checkpointer(os.path.join(work, "checkpoints"), async_save=False, with_data=False)
+    # Inference reads params and extra only; orbax refuses an empty item, so opt_state is a marker.
+    ckpt.save(0, state["params"], {"none": np.zeros((), np.int32)}, state["rest"], force=True)
+    ckpt.close()
+    args = [f"model_name={name}", *SETTINGS, f"tokenizer_path={tok}", f"base_output_directory={work}"]
+    return args, os.path.join(work, "checkpoints", "0")
+
+
+def run_decode_cli(args: list[str], prompt: str, new_tokens: int, context: int) -> dict:
+    cmd = [sys.executable, "-m", "k3jax.decode", "configs/base.yml", *args, f"prompt={prompt}",
+           f"max_new_tokens={new_tokens}", f"max_target_length={context}", "stream=false"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
+    if p.returncode:
+        raise SystemExit(f"decode failed:\n{p.stderr[-3000:]}")
+    m = re.search(r"prefill ([\d.]+) tokens/s, decode ([\d.]+) tokens/s \((\d+) new tokens\)", p.stdout)
+    return {"prefill_tokens_per_s": float(m[1]), "decode_tokens_per_s": float(m[2]), "new_tokens": int(m[3])}
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start_server(args: list[str], slots: int, context: int, chunk: int, log: str):
+    port = free_port()
+    cmd = [sys.executable, "-m", "k3jax.serve", "configs/base.yml", *args, f"serve_port={port}",
+           f"serve_max_batch={slots}", f"serve_max_queue={4 * slots}", f"max_target_length={context}",
+           f"serve_prefill_chunk={chunk}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    deadline = time.time() + 3600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{open(log).read()[-3000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            time.sleep(1)
+    raise SystemExit("server did not start")
+
+
+def one_request(client, name, prompt, new_tokens) -> dict:
+    """A streaming greedy completion -> send time, token arrival times."""
+    t0 = time.perf_counter()
+    times = []
+    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=new_tokens, stream=True,
+                                           temperature=0, logprobs=0, extra_body={"ignore_eos": True}):
+        now = time.perf_counter()
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                times += [now] * len(c.logprobs.tokens)
+    return {"start": t0, "times": times}
+
+
+def load_level(client, name, prompts, conc: int, per_client: int, new_tokens: int) -> dict:
+    results, lock = [], threading.Lock()
+
+    def worker(k):
+        for j in range(per_client):
+            r = one_request(client, name, prompts[(k * per_client + j) % len(prompts)], new_tokens)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r["times"][0] - r["start"] for r in results]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    tokens = sum(len(r["times"]) for r in results)
+    return {"concurrency": conc, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "tokens_per_request_ok": all(len(r["times"]) == new_tokens for r in results)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="small")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--out", default=result_path("serve"))
+    a = p.parse_args(argv)
+    import openai
+
+    info = machine()
+    work = tempfile.mkdtemp(prefix="k3jax-serve-bench-")
+    args, ckpt = make_checkpoint(a.config, work)
+    args.append(f"load_parameters_path={ckpt}")
+    context = a.prompt_len + a.new_tokens
+    from k3jax.data.tokenizer import KimiTokenizer
+    tok = KimiTokenizer.from_dir(os.path.join(work, "tokenizer"))
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(0, tok.n_base, a.prompt_len)] for _ in range(64)]
+    # The CLI takes text: English words until the prompt is --prompt-len tokens.
+    words = "the quick brown fox jumps over the lazy dog while a cat sleeps in the warm sun".split()
+    text = ""
+    while len(tok.encode(text)) < a.prompt_len:
+        text += words[len(text.split()) % len(words)] + " "
+    cli = run_decode_cli(args, text.strip(), a.new_tokens, 4 * a.prompt_len)
+    print(f"decode CLI (one prompt): prefill {cli['prefill_tokens_per_s']:.1f} tok/s, decode "
+          f"{cli['decode_tokens_per_s']:.1f} tok/s", flush=True)
+
+    proc, port = start_server(args, max(a.concurrency), context, a.prefill_chunk, os.path.join(work, "server.log"))
+    rows = []
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
+        name = client.models.list().data[0].id
+        one_request(client, name, prompts[0], a.new_tokens)          # warm-up
+        for conc in a.concurrency:
+            rows.append(load_level(client, name, prompts, conc, a.requests_per_client, a.new_tokens))
+            print(f"concurrency {conc}: {rows[-1]['output_tokens_per_s']:.1f} output tok/s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(600)
+    base = cli["decode_tokens_per_s"]
+    for r in rows:
+        r["x_decode_cli"] = r["output_tokens_per_s"] / base
+    print(f"\n{a.config}: prompt {a.prompt_len} tokens, {a.new_tokens} new tokens per request, one "
+          f"{info['backend']} device ({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32; "
+          f"decode CLI (one prompt) decode {base:.1f} tok/s")
+    print_table(rows, [("concurrency", "concurrency", "d"), ("requests", "requests", "d"),
+                       ("output tok/s", "output_tokens_per_s", ".1f"), ("x CLI", "x_decode_cli", ".2f"),
+                       ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
+                       ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f")])
+    write_json(a.out, {"benchmark": "serve", "machine": info, "settings": vars(a), "decode_cli": cli,
+                       "levels": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""OpenAI-compatible server with continuous batching:
+``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
+
+Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk,
+serve_api_key; each slot holds max_target_length tokens (prompt + completion). The tokenizer is the
+checkpoint's (``tokenizer_path`` or the one recorded with it) and chat prompts use its own chat
+template. SIGTERM (or Ctrl-C) drains: no new connections, running and queued requests finish, exit 0.
+Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
+runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
+
+programs.py  the slot cache and the compiled decode / prefill-chunk / reset programs
+engine.py    the queue, the slots and the scheduler thread (continuous batching)
+text.py      incremental detokenisation and stop strings
+protocol.py  OpenAI request / response bodies
+api.py       the FastAPI routes
+metrics.py   Prometheus metrics
+pod.py       steps as fixed-size vectors, broadcast from process 0; the other processes' loop
+See docs/serving.md.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+from k3jax.cli import run_tool
+
+
+def build(cfg, mesh=None):
+    """-> (engine, app, metrics) for ``cfg``: the model restored and its programs compiled (the engine
+    thread is not started). ``mesh`` defaults to every device (``make_mesh(cfg)``)."""
+    from k3jax.runtime import load_tokenizer
+    from k3jax.serve.api import create_app
+    from k3jax.serve.engine import Engine
+    from k3jax.serve.metrics import ServeMetrics
+    from k3jax.serve.programs import Programs
+    from k3jax.sharding import make_mesh
+    from k3jax.state import load_model
+
+    sv = cfg.serve
+    tok = load_tokenizer(cfg)
+    mesh = make_mesh(cfg) if mesh is None else mesh
+    model = load_model(cfg, mesh)
+    programs = Programs(model, mesh, slots=sv.serve_max_batch, length=cfg.train.max_target_length,
+                        chunk=sv.serve_prefill_chunk)
+    engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id))
+    metrics = ServeMetrics(engine.stats)
+    engine.metrics = metrics
+    app = create_app(engine, tok, model_name=cfg.model_name, context=cfg.train.max_target_length,
+                     api_key=sv.serve_api_key, metrics=metrics)
+    return engine, app, metrics
+
+
+def _run(cfg) -> int:
+    import jax
+    import uvicorn
+
+    from k3jax.serve.pod import follow
+
+    engine, app, _ = build(cfg)
+    if jax.process_index() != 0:    # a pod: process 0 serves HTTP and sends each step; the others run it
+        return follow(engine.p, engine.link)
+    engine.start()
+    sv = cfg.serve
+    print(f"serving {cfg.model_name} on http://{sv.serve_host}:{sv.serve_port}/v1 "
+          f"({sv.serve_max_batch} slots of {cfg.train.max_target_length} tokens)", file=sys.stderr, flush=True)
+    # uvicorn's own SIGTERM/SIGINT handling is the drain: it stops listening, lets every open request
+    # finish (the engine keeps generating for them), then returns and re-raises the signal into the
+    # handler that was there before it. For SIGTERM that is this no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=sv.serve_host, port=sv.serve_port, log_level="warning", timeout_graceful_shutdown=None)
+    finally:
+        engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool("serve", _run, argv, __doc__)

@@ -1,0 +1,3 @@
+from k3jax.serve import main
+
+raise SystemExit(main())

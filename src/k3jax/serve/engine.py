@@ -1,0 +1,270 @@
+"""Continuous batching: a queue, a fixed set of slots, and one thread that drives the programs.
+
+The scheduler loop, one iteration at a time:
+
+1. drop cancelled requests (a client that went away) and free their slots (``reset``);
+2. move queued requests into free slots;
+3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
+   long prompt advances a chunk per iteration, between decode steps, so it never stalls the
+   requests that are generating; its last chunk yields its first token;
+4. one decode step for every generating slot at once (``Programs.decode``); the new request joins
+   it at the next iteration.
+
+Each step's work is a ``pod.Step`` (numpy arrays of fixed shapes) sent through ``pod.Link``: in a
+multi-process server process 0 plans the steps and broadcasts each one, and every process runs the
+same compiled program on it, so only process 0 needs the requests, the text and HTTP.
+
+Tokens become text on this thread (``TextState``), which also applies the stop strings; each
+request's ``sink`` receives ``Event`` objects and must be thread-safe (the HTTP layer hands them to
+its event loop). A request is finished by an EOS / end-of-message token, a stop string,
+``max_tokens``, or the slot's context (max_target_length) running out.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from k3jax.serve.pod import Link, Step, Wire
+from k3jax.serve.text import TextState
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue holds serve_max_queue requests (HTTP 429)."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class Event:
+    text: str                                  # new text (stop strings held back until resolved)
+    tokens: list[int]                          # the token ids this event covers
+    logprobs: list[dict]                       # one entry per token when requested (see _logprob_entry)
+    finish_reason: str | None = None           # "stop" | "length" | "cancelled" on the last event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sink: Callable[[Event], None]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None               # alternatives per token (0 = the chosen token only)
+    id: str = ""
+    ignore_eos: bool = False                  # stop tokens do not end it (fixed-length benchmarks)
+    # engine state
+    slot: int = -1
+    prefilled: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+    done: bool = False
+    submitted: float = 0.0
+    first_token_at: float = 0.0
+    text: TextState | None = None
+
+
+class Engine:
+    """Owns the slots and the scheduler thread. ``submit`` / ``cancel`` may be called from any
+    thread; everything else happens on the engine thread."""
+
+    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None):
+        self.p, self.tok = programs, tokenizer
+        self.slots: list[Request | None] = [None] * programs.slots
+        self.queue: collections.deque[Request] = collections.deque()
+        self.max_queue, self.stop_ids = max_queue, frozenset(stop_ids)
+        self.chunk = programs.buckets[-1]
+        self.metrics = metrics
+        self.link = Link(Wire(programs.slots, self.chunk))   # each step, as every process receives it
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.iteration = 0
+        # (iteration, request ids active in that iteration's decode step) and (iteration, request
+        # id) for each first token: how tests see that a request joined a running batch.
+        self.decode_log: collections.deque = collections.deque(maxlen=10_000)
+        self.first_token_log: collections.deque = collections.deque(maxlen=10_000)
+        self.finished_log: collections.deque = collections.deque(maxlen=10_000)   # (id, reason, tokens)
+        self.error: BaseException | None = None
+
+    # -- any thread -----------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._stopping:
+                raise Draining("the server is shutting down")
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error!r}")
+            # Queued requests first fill the free slots (the engine thread admits them at its
+            # next iteration); only those beyond the free slots are waiting.
+            waiting = len(self.queue) - sum(s is None for s in self.slots)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"all {len(self.slots)} slots are busy and {len(self.queue)} requests are queued")
+            req.id = req.id or f"req-{next(self._ids)}"
+            req.submitted = time.perf_counter()
+            req.text = TextState(self.tok, req.stop)
+            self.queue.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"queue": len(self.queue), "active": sum(s is not None for s in self.slots),
+                    "slots": len(self.slots)}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish every queued and running request, then end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as e:     # noqa: BLE001 - reported to every waiting request
+            self.error = e
+            with self._cv:
+                pending = [r for r in self.slots if r is not None] + list(self.queue)
+            for r in pending:
+                r.sink(Event("", [], [], finish_reason="error"))
+            raise
+        finally:
+            self.link.send(Step("stop"))   # followers (other processes) stop
+
+    def _iterate(self) -> bool:
+        with self._cv:
+            freed = self._drop_cancelled()
+            self._admit()
+            prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
+            decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
+            if not (prefilling or decoding or freed):
+                if self._stopping and not self.queue:
+                    return False
+                self._cv.wait(0.5)
+                idle = True
+            else:
+                idle = False
+        if idle:
+            self.link.heartbeat()
+            return True
+        self.iteration += 1
+        for slot in freed:
+            self._run_step(Step.reset(slot))
+        if prefilling:
+            self._prefill_chunk(min(prefilling, key=lambda r: r.submitted))
+        if decoding:
+            self._decode(decoding)
+        return True
+
+    def _drop_cancelled(self) -> list[int]:
+        for r in [r for r in self.queue if r.cancelled]:
+            self.queue.remove(r)
+            self._finish(r, "cancelled")
+        freed = []
+        for i, r in enumerate(self.slots):
+            if r is not None and (r.cancelled or r.done):
+                if not r.done:
+                    self._finish(r, "cancelled")
+                self.slots[i] = None
+                freed.append(i)
+        return freed
+
+    def _admit(self) -> None:
+        for i in range(len(self.slots)):
+            if self.slots[i] is None and self.queue:
+                r = self.queue.popleft()
+                r.slot = i
+                self.slots[i] = r
+
+    def _sampling(self, r: Request):
+        return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated)
+
+    def _prefill_chunk(self, r: Request) -> None:
+        piece = r.prompt[r.prefilled:r.prefilled + self.chunk]
+        out = self._run_step(Step.prefill(r.slot, piece, r.prefilled, *self._sampling(r)))
+        r.prefilled += len(piece)
+        if r.prefilled == len(r.prompt):
+            r.first_token_at = time.perf_counter()
+            self.first_token_log.append((self.iteration, r.id))
+            if self.metrics is not None:
+                self.metrics.first_token(r.first_token_at - r.submitted)
+            self._accept(r, out[0], out[1], out[2], out[3])
+
+    def _decode(self, rows: list[Request]) -> None:
+        b = len(self.slots)
+        tokens, pos, counters, top_k = (np.zeros(b, np.int32) for _ in range(4))
+        seeds = np.zeros(b, np.uint32)
+        temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+        active = np.zeros(b, bool)
+        for r in rows:
+            i = r.slot
+            t, k, p, s, c = self._sampling(r)
+            tokens[i], pos[i], active[i] = r.generated[-1], len(r.prompt) + len(r.generated) - 1, True
+            temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = t, k, p, s, c
+        self.decode_log.append((self.iteration, tuple(sorted(r.id for r in rows))))
+        tok, lp, top_ids, top_lp = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p,
+                                                              seeds, counters))
+        for r in rows:
+            self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
+
+    def _run_step(self, step: Step):
+        return self.link.send(step).run(self.p)
+
+    def _accept(self, r: Request, token, lp, top_ids, top_lp) -> None:
+        """One new token of request r: text, stop checks, the event to its sink."""
+        token = int(token)
+        r.generated.append(token)
+        if self.metrics is not None:
+            self.metrics.tokens(1)
+        entries = [self._logprob_entry(token, lp, top_ids, top_lp, r.logprobs)] if r.logprobs is not None else []
+        finish = None
+        if token in self.stop_ids and not r.ignore_eos:
+            text, finish = r.text.finish(), "stop"
+        else:
+            text, hit = r.text.add(token)
+            if hit:
+                finish = "stop"
+        if finish is None and (len(r.generated) >= r.max_tokens
+                               or len(r.prompt) + len(r.generated) >= self.p.length):
+            text, finish = text + r.text.finish(), "length"
+        r.sink(Event(text, [token], entries, finish, len(r.prompt), len(r.generated)))
+        if finish is not None:
+            r.done = True
+            self.finished_log.append((r.id, finish, len(r.generated)))
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.done = True
+        self.finished_log.append((r.id, reason, len(r.generated)))
+        r.sink(Event("", [], [], reason, len(r.prompt), len(r.generated)))
+
+    def _logprob_entry(self, token, lp, top_ids, top_lp, k: int) -> dict:
+        alts = [(int(i), self._piece(int(i)), float(v)) for i, v in zip(top_ids[:k], top_lp[:k])]
+        return {"id": token, "token": self._piece(token), "bytes": list(self.tok.decode_bytes([token])),
+                "logprob": float(lp), "top": alts}
+
+    def _piece(self, token: int) -> str:
+        return self.tok.decode_bytes([token]).decode("utf-8", errors="replace")

@@ -1,0 +1,133 @@
+"""Serving from several processes (a pod: K3 in MXFP4 does not fit one host).
+
+Process 0 runs HTTP and the scheduler; every process holds its shards of the weights and of the
+slot cache and runs the same compiled programs. Before each device step process 0 broadcasts the
+step's inputs (``Step``: decode / prefill chunk / slot reset, all fixed-shape numpy) as one int32
+vector of a fixed size (``Wire``), with ``multihost_utils.broadcast_one_to_all``; the followers
+(``follow``) decode it and run the step, so every process enters the same program with the same
+inputs in the same order. While idle, process 0 sends a no-op every half second (a follower never
+waits in a collective for long), and a stop when it shuts down.
+
+In one process the broadcast is the identity, but the engine still sends every step through the
+wire format, so the single-process tests exercise the encoding the pod depends on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+KINDS = ("stop", "noop", "decode", "prefill", "reset")
+
+
+@dataclasses.dataclass
+class Step:
+    """One unit of device work with all its inputs, the same on every process."""
+    kind: str
+    args: tuple = ()
+
+    @classmethod
+    def decode(cls, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        return cls("decode", (np.asarray(tokens, np.int32), np.asarray(pos, np.int32), np.asarray(active, bool),
+                              np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
+                              np.asarray(top_p, np.float32), np.asarray(seeds, np.uint32),
+                              np.asarray(counters, np.int32)))
+
+    @classmethod
+    def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
+        return cls("prefill", (int(slot), np.asarray(tokens, np.int32), int(pos), float(np.float32(temperature)),
+                               int(top_k), float(np.float32(top_p)), int(seed) & 0xFFFFFFFF, int(counter)))
+
+    @classmethod
+    def reset(cls, slot):
+        return cls("reset", (int(slot),))
+
+    def run(self, programs):
+        return getattr(programs, self.kind)(*self.args)
+
+
+def _bits(x, dtype):
+    return np.asarray(x, dtype).view(np.int32)
+
+
+class Wire:
+    """Step <-> int32[size] for ``slots`` decode rows and prefill chunks of at most ``max_chunk``."""
+
+    def __init__(self, slots: int, max_chunk: int):
+        self.b, self.c = slots, max_chunk
+        self.size = 2 + max(8 * slots, 8 + max_chunk)
+
+    def pack(self, step: Step) -> np.ndarray:
+        out = np.zeros(self.size, np.int32)
+        out[0] = KINDS.index(step.kind)
+        if step.kind == "decode":
+            tokens, pos, active, temperature, top_k, top_p, seeds, counters = step.args
+            cols = [tokens, pos, active.astype(np.int32), _bits(temperature, np.float32), top_k,
+                    _bits(top_p, np.float32), _bits(seeds, np.uint32), counters]
+            out[2:2 + 8 * self.b] = np.concatenate([np.asarray(c, np.int32) for c in cols])
+        elif step.kind == "prefill":
+            slot, tokens, pos, temperature, top_k, top_p, seed, counter = step.args
+            out[1] = len(tokens)
+            out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
+                         _bits(seed, np.uint32), counter, 0]
+            out[10:10 + len(tokens)] = tokens
+        elif step.kind == "reset":
+            out[2] = step.args[0]
+        return out
+
+    def unpack(self, arr: np.ndarray) -> Step:
+        arr = np.asarray(arr, np.int32)
+        kind = KINDS[int(arr[0])]
+        if kind == "decode":
+            c = arr[2:2 + 8 * self.b].reshape(8, self.b)
+            return Step.decode(c[0], c[1], c[2].astype(bool), c[3].view(np.float32), c[4], c[5].view(np.float32),
+                               c[6].view(np.uint32), c[7])
+        if kind == "prefill":
+            n = int(arr[1])
+            h = arr[2:10]
+            return Step.prefill(h[0], arr[10:10 + n], h[1], h[2:3].view(np.float32)[0], h[3],
+                                h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6])
+        if kind == "reset":
+            return Step.reset(arr[2])
+        return Step(kind)
+
+
+class Link:
+    """Process 0's steps to every process (the identity in a single process)."""
+
+    def __init__(self, wire: Wire):
+        self.wire = wire
+        self.multi = jax.process_count() > 1
+
+    def _broadcast(self, arr: np.ndarray) -> Step:
+        return self.wire.unpack(multihost_utils.broadcast_one_to_all(arr))
+
+    def send(self, step: Step) -> Step:
+        """Process 0: the step as every process received it."""
+        return self._broadcast(self.wire.pack(step))
+
+    def heartbeat(self) -> None:
+        if self.multi:
+            self.send(Step("noop"))
+
+    def receive(self) -> Step:
+        return self._broadcast(np.zeros(self.wire.size, np.int32))
+
+
+def follow(programs, link: Link) -> int:
+    """A process other than 0: run every step process 0 sends until it sends stop. SIGTERM and
+    Ctrl-C are left to process 0 (the pod launcher signals every process): it drains its requests,
+    and its stop ends this loop, so no collective is left waiting on a process that went away."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: print(f"process {jax.process_index()}: draining with process 0",
+                                            file=sys.stderr, flush=True))
+    while True:
+        step = link.receive()
+        if step.kind == "stop":
+            return 0
+        if step.kind != "noop":
+            step.run(programs)

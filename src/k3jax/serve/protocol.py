@@ -1,0 +1,178 @@
+"""OpenAI request bodies (pydantic; unknown fields ignored) and the response / chunk bodies built from
+engine events. Field meanings follow the OpenAI API reference; ``top_k`` is an extension (as in vLLM).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    # vLLM's extensions: logprob tokens as "token_id:<id>"; generate max_tokens whatever the model
+    # emits (benchmarks: fixed output lengths)
+    return_tokens_as_token_ids: Optional[bool] = False
+    ignore_eos: Optional[bool] = False
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+def sampling(req: _Common) -> dict:
+    """Validated sampling settings of a request (ApiError 400 naming the bad parameter)."""
+    if req.n not in (None, 1):
+        raise ApiError(400, f"n={req.n}: only n=1 is supported", param="n")
+    t = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= t <= 2.0:
+        raise ApiError(400, f"temperature={t}: must be between 0 and 2", param="temperature")
+    p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < p <= 1.0:
+        raise ApiError(400, f"top_p={p}: must be in (0, 1]", param="top_p")
+    k = req.top_k or 0
+    if k < -1:
+        raise ApiError(400, f"top_k={k}: must be -1 or 0 (off) or a positive count", param="top_k")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > 4:
+        raise ApiError(400, f"stop: at most 4 sequences, got {len(stop)}", param="stop")
+    seed = uuid.uuid4().int & 0xFFFFFFFF if req.seed is None else req.seed
+    return {"temperature": t, "top_p": p, "top_k": max(k, 0), "stop": tuple(stop), "seed": seed,
+            "ignore_eos": bool(req.ignore_eos)}
+
+
+def max_tokens(requested: int | None, prompt_len: int, context: int, *, default: int | None, param: str) -> int:
+    """The completion budget: ``requested`` (or the default; None = the rest of the context), checked
+    against the context (prompt + completion <= context) like OpenAI's context_length_exceeded."""
+    if requested is not None and requested < 1:
+        raise ApiError(400, f"{param}={requested}: must be at least 1", param=param)
+    want = requested if requested is not None else default
+    total = prompt_len + (want or 1)
+    if total > context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{total} tokens ({prompt_len} in the messages/prompt, {want or 1} for the completion). "
+                       "Please reduce the length of the prompt or the completion.",
+                       param="messages" if param == "max_completion_tokens" else "prompt",
+                       code="context_length_exceeded")
+    return context - prompt_len if want is None else want
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- logprobs in the two OpenAI formats -----------------------------------------------------------
+def _name(token_id: int, piece: str, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else piece
+
+
+def chat_logprobs(entries: list[dict], k: int, as_ids: bool = False) -> dict:
+    return {"content": [{"token": _name(e["id"], e["token"], as_ids), "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": [{"token": _name(i, s, as_ids), "logprob": v, "bytes": list(s.encode("utf-8"))}
+                                          for i, s, v in e["top"][:k]]} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], offset: int, as_ids: bool = False) -> dict:
+    """Legacy completions format; text_offset counts characters from the start of the completion."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [_name(e["id"], e["token"], as_ids) for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_name(i, s, as_ids): v for i, s, v in e["top"]} for e in entries],
+            "text_offset": offsets}
+
+
+# -- bodies ---------------------------------------------------------------------------------------
+class Body:
+    """Builds the response (or stream chunks) of one request."""
+
+    def __init__(self, kind: Literal["chat", "completion"], model: str, logprobs: int | None, as_ids: bool = False):
+        self.kind, self.model, self.logprobs, self.as_ids = kind, model, logprobs, as_ids
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = int(time.time())
+        self.offset = 0
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _lp(self, entries):
+        if self.logprobs is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries, self.logprobs, self.as_ids)
+        return completion_logprobs(entries, self.offset, self.as_ids)
+
+    def chunk(self, text: str, entries: list[dict], finish: str | None, *, first: bool = False) -> dict:
+        lp = self._lp(entries)
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            body = dict(self._head("chat.completion.chunk"), choices=[choice])
+        else:
+            body = dict(self._head("text_completion"), choices=[{"index": 0, "text": text, "logprobs": lp,
+                                                                 "finish_reason": finish}])
+        self.offset += len(text)
+        return body
+
+    def usage_chunk(self, prompt: int, completion: int) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return dict(self._head(obj), choices=[], usage=usage(prompt, completion))
+
+    def full(self, text: str, entries: list[dict], finish: str, prompt: int, completion: int) -> dict:
+        lp = self._lp(entries)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish}
+            body = dict(self._head("chat.completion"), choices=[choice])
+        else:
+            body = dict(self._head("text_completion"), choices=[{"index": 0, "text": text, "logprobs": lp,
+                                                                 "finish_reason": finish}])
+        body["usage"] = usage(prompt, completion)
+        return body

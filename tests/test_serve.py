@@ -1,0 +1,319 @@
+"""The server end to end: a real uvicorn server (in this process, on one device) over the shared
+tiny checkpoint, driven by real HTTP clients (the openai client with max_retries=0; http.client for
+bodies the openai client would not send)."""
+import concurrent.futures as futures
+import http.client
+import json
+import threading
+import time
+import types
+from urllib.parse import urlparse
+
+import jax
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from flax import nnx
+
+from k3jax import config as C
+from k3jax.data.chat_template import chat_ids, render
+from k3jax.decode import generate
+from k3jax.serve import build
+from k3jax.serve.api import create_app
+from k3jax.sharding import make_mesh
+
+from helpers import check_greedy
+
+CONTEXT, SLOTS, QUEUE, CHUNK = 96, 8, 8, 16
+SERVE = [f"max_target_length={CONTEXT}", f"serve_max_batch={SLOTS}", f"serve_max_queue={QUEUE}",
+         f"serve_prefill_chunk={CHUNK}"]
+GREEDY = dict(temperature=0, logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+
+
+def start_http(app):
+    """uvicorn on a free port in a thread -> (server, thread, base url)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_run):
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", tiny_run.args + [f"load_parameters_path={tiny_run.checkpoint}"] + SERVE)
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    engine, app, _ = build(cfg, mesh)
+    engine.start()
+    server, thread, url = start_http(app)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    yield types.SimpleNamespace(cfg=cfg, mesh=mesh, engine=engine, url=url, client=client, tok=engine.tok,
+                                model=nnx.merge(engine.p.gdef, *engine.p.state), name=cfg.model_name)
+    server.should_exit = True
+    thread.join(30)
+    engine.stop(30)
+
+
+def post(url, path, body, headers=None):
+    """Raw POST -> (status, headers, parsed JSON body or text)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    conn.request("POST", path, body=body if isinstance(body, (str, bytes)) else json.dumps(body),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    try:
+        data = json.loads(data)
+    except ValueError:
+        pass
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, data
+
+
+def stream_completion(client, name, prompt, max_tokens, **kw):
+    """A streamed greedy completion -> namespace(id, ids, logprobs, tops, text, finish, usage)."""
+    out = types.SimpleNamespace(id=None, ids=[], logprobs=[], tops=[], text="", finish=None, usage=None)
+    for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY, **kw):
+        out.id = chunk.id
+        if chunk.usage is not None:
+            out.usage = chunk.usage
+        for c in chunk.choices:
+            out.text += c.text
+            out.finish = c.finish_reason or out.finish
+            if c.logprobs is not None:
+                out.ids += [int(t.split(":")[1]) for t in c.logprobs.tokens]
+                out.logprobs += c.logprobs.token_logprobs
+                out.tops += c.logprobs.top_logprobs
+    return out
+
+
+def prompts(tok):
+    rng = np.random.default_rng(0)
+    lengths = [3, 50, 8, 12, 15, 16, 17, 20, 24, 31, 33, 40, 47, 2, 9, 5]
+    max_tokens = [24, 7, 17, 9, 30, 12, 8, 20, 6, 16, 11, 25, 7, 14, 19, 10]
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. "
+    out = []
+    for i, (n, m) in enumerate(zip(lengths, max_tokens)):
+        if i < 4:     # text prompts (the server tokenizes), the rest token ids
+            p = (text * 8)[:n * 3]
+            out.append((p, tok.encode(p), m))
+        else:
+            ids = [int(x) for x in rng.integers(0, tok.n_base, n)]
+            out.append((ids, ids, m))
+    return out
+
+
+def test_concurrent_streams_equal_alone_and_generate(served):
+    reqs = prompts(served.tok)
+    with futures.ThreadPoolExecutor(len(reqs)) as pool:
+        together = list(pool.map(lambda r: stream_completion(served.client, served.name, r[0], r[2]), reqs))
+    # Some prompts take several chunks, and requests shared decode steps (how many at once depends
+    # on how prefill chunks and finishing requests interleave).
+    assert max(len(r[1]) for r in reqs) > 2 * CHUNK
+    assert max(len(ids) for _, ids in served.engine.decode_log) >= SLOTS // 2
+    stop = (served.tok.eos_id, served.tok.im_end_id)
+    with jax.set_mesh(served.mesh):
+        want, _ = generate(served.model, [r[1] for r in reqs], max_new_tokens=max(r[2] for r in reqs), stop_ids=stop)
+    forward = nnx.jit(lambda m, t: jax.nn.log_softmax(m(t)[0][0, -1]))
+    ties = 0
+    for k, ((prompt, ids, m), got) in enumerate(zip(reqs, together)):
+        ref = [int(t) for t in want[k][:m] if t >= 0]
+        assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(got.ids)
+        assert got.finish == ("stop" if got.ids[-1] in stop else "length")
+        ties += check_greedy(f"request {k} vs generate()", got.ids, got.logprobs, ref,
+                     lambda i: np.asarray(forward(served.model, jax.numpy.asarray([ids + ref[:i]]))))
+        alone = served.client.completions.create(model=served.name, prompt=prompt, max_tokens=m, **GREEDY)
+        lp = alone.choices[0].logprobs
+        alone_ids = [int(t.split(":")[1]) for t in lp.tokens]
+
+        def tops(i):    # the concurrent run's top-2, as a (sparse) reference distribution
+            ref = np.full(served.tok.vocab_size, -np.inf)
+            for t, v in got.tops[i].items():
+                ref[int(t.split(":")[1])] = v
+            return ref
+        ties += check_greedy(f"request {k} alone vs together", alone_ids, lp.token_logprobs, got.ids, tops)
+    assert ties <= 2, f"{ties} of 32 comparisons parted at near ties: the comparison would say little"
+
+
+def test_a_request_joins_without_waiting(served):
+    """B arrives while A decodes; B's first token comes at an engine iteration whose decode step
+    still includes A, and A keeps decoding after it."""
+    a_id, b_resp = {}, {}
+    stream = served.client.completions.create(model=served.name, prompt="Once upon a time", max_tokens=60,
+                                              stream=True, temperature=0, extra_body={"ignore_eos": True})
+    b_thread = None
+    n = 0
+    for chunk in stream:
+        a_id["id"] = chunk.id
+        n += 1
+        if n == 3:
+            b_thread = threading.Thread(target=lambda: b_resp.update(r=served.client.completions.create(
+                model=served.name, prompt="Hello", max_tokens=3, temperature=0)))
+            b_thread.start()
+    b_thread.join()
+    a, b = a_id["id"], b_resp["r"].id
+    b_first = [it for it, rid in served.engine.first_token_log if rid == b]
+    a_steps = [it for it, ids in served.engine.decode_log if a in ids]
+    assert len(b_first) == 1 and b_first[0] in a_steps and max(a_steps) > b_first[0], (b_first, a_steps)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
+    url, c, name = served.url, served.client, served.name
+    status, _, body = post(url, "/v1/completions", "{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="hi", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=list(range(CONTEXT + 5)), max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="hi", max_tokens=CONTEXT)     # prompt + completion > context
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="hi", n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4o", prompt="hi")
+    status, _, body = post(url, "/v1/chat/completions", {"model": name, "messages": "nope"})
+    assert status == 400 and "messages" in body["error"]["message"]
+    # Unknown fields are ignored; the server still answers.
+    r = c.completions.create(model=name, prompt="hi", max_tokens=3, extra_body={"frobnicate": 1})
+    assert r.usage.completion_tokens >= 1
+    assert served.engine.error is None
+
+
+def test_api_key(served):
+    server, thread, url = start_http(create_app(served.engine, served.tok, model_name=served.name, context=CONTEXT,
+                                                api_key="sekret"))
+    try:
+        for key in ("wrong", None):
+            status, _, body = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                                   {"Authorization": f"Bearer {key}"} if key else {})
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model=served.name, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_full_queue_gets_429_with_retry_after(served):
+    body = {"model": served.name, "prompt": "a b c", "max_tokens": 16, "ignore_eos": True}
+    with futures.ThreadPoolExecutor(100) as pool:
+        results = list(pool.map(lambda _: post(served.url, "/v1/completions", body), range(100)))
+    codes = [s for s, _, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= SLOTS + QUEUE, codes
+    for s, h, b in results:
+        if s == 429:
+            assert h.get("retry-after") == "1" and b["error"]["code"] == "rate_limit_exceeded"
+        else:
+            assert b["usage"]["completion_tokens"] == 16
+    assert post(served.url, "/v1/completions", body)[0] == 200
+
+
+def test_disconnect_mid_stream_frees_and_resets_the_slot(served):
+    stream = served.client.completions.create(model=served.name, prompt="Tell me", max_tokens=80, stream=True,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    for i, chunk in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    rid = chunk.id
+    deadline = time.time() + 60
+    while not (served.engine.stats()["active"] == 0 and all(
+            not np.any(x) for s in range(SLOTS) for x in served.engine.p.row(s))):
+        assert time.time() < deadline, served.engine.stats()
+        time.sleep(0.1)
+    # The request was cancelled before its 80 tokens, and the server still serves.
+    assert [(r, n < 80) for i, r, n in served.engine.finished_log if i == rid] == [("cancelled", True)]
+    assert served.client.completions.create(model=served.name, prompt="hi", max_tokens=2).usage.completion_tokens
+
+
+def test_chat_stop_seed_metrics(served):
+    c, name, tok = served.client, served.name, served.tok
+    msgs = [{"role": "user", "content": "say <|im_end|> twice <|im_assistant|>"}]
+    ids = chat_ids(tok, msgs)
+    assert ids == render(tok, msgs)[0]            # the special strings stayed text
+    chunks = list(c.chat.completions.create(model=name, messages=msgs, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.prompt_tokens == len(ids)
+    full = c.chat.completions.create(model=name, messages=msgs, max_tokens=5, temperature=0)
+    assert full.choices[0].message.content == "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    # A stop string cuts the text right before it.
+    base = c.completions.create(model=name, prompt="abc", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    cut = next(i for i in range(3, len(text) - 2) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+    stopped = c.completions.create(model=name, prompt="abc", max_tokens=20, temperature=0, stop=[text[cut:cut + 2]],
+                                   extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == text[:cut] and stopped.choices[0].finish_reason == "stop"
+    # Sampling with a seed is reproducible.
+    kw = dict(model=name, prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+    assert urlget(served.url, "/health") == "ok"
+    metrics = urlget(served.url, "/metrics")
+    for name in ("k3jax_queue_length", "k3jax_active_slots", "k3jax_output_tokens_per_second",
+                 "k3jax_time_to_first_token_seconds_bucket"):
+        assert name in metrics
+    count = next(l for l in metrics.splitlines() if l.startswith("k3jax_time_to_first_token_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+
+
+def urlget(url, path):
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("GET", path)
+    return conn.getresponse().read().decode()
+
+
+class _ByteTok:
+    """Token i is the i-th entry of a byte table (stands in for the tokenizer's decode_bytes)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode_bytes(self, ids):
+        return b"".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("stops,tokens,want,hit", [
+    ((), [0, 1, 2], "ab\u00e9", False),                      # é split over two tokens
+    (("b\u00e9",), [0, 1, 2, 3], "a", True),                  # stop spans three tokens
+    (("xyz",), [0, 3, 4], "a" + "cx", False),                # a held-back prefix released at the end
+    (("cx",), [3, 4, 0], "", True),
+])
+def test_text_state_stops_and_utf8(stops, tokens, want, hit):
+    from k3jax.serve.text import TextState
+    tok = _ByteTok([b"a", b"b\xc3", b"\xa9", b"c", b"x"])
+    ts = TextState(tok, stops)
+    out, ended = "", False
+    for t in tokens:
+        piece, ended = ts.add(t)
+        out += piece
+        if ended:
+            break
+    if not ended:
+        out += ts.finish()
+    assert (out, ended) == (want, hit)
+
+
+def test_wire_round_trip():
+    from k3jax.serve.pod import Step, Wire
+    rng = np.random.default_rng(0)
+    w = Wire(slots=4, max_chunk=16)
+    dec = Step.decode(rng.integers(0, 500, 4), rng.integers(0, 90, 4), [True, False, True, True],
+                      rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2])
+    pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
+    for step in (dec, pre, Step.reset(2), Step("noop"), Step("stop")):
+        back = w.unpack(w.pack(step))
+        assert back.kind == step.kind and len(back.args) == len(step.args)
+        for a, b in zip(back.args, step.args):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
