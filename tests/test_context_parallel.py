@@ -5,7 +5,9 @@ KDA (both combine strategies) against the unsharded chunked kernel and the float
 reference: output, final state and the gradients of q, k, v, g, beta and the initial state, f32,
 1e-5 relative RMS, with documents that start inside slices, exactly at slice starts (and on the
 tokens around one), and span several slices, two chunks per slice. The short convolution against
-the unsharded one, outputs and gradients, with boundaries inside the W - 1 token halo.
+the unsharded one, outputs and gradients, with boundaries inside the W - 1 token halo. MLA
+attention over the all-gathered latent against the unsharded expansion + oracle attention: output,
+the per-head max logit (QK-clip's statistic) and the gradients of q, latent, rope key and W_kv.
 """
 import functools
 
@@ -17,6 +19,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import F32_TOL, assert_close, make_inputs, rel, run, run_reference
 
+from k3jax.kernels.attention import causal_attention
+from k3jax.kernels.attention.context_parallel import mla_context_parallel_attention
 from k3jax.kernels.kda import kda_chunked, short_conv
 from k3jax.kernels.kda.context_parallel import kda_context_parallel, short_conv_context_parallel
 
@@ -143,3 +147,54 @@ def test_short_conv_context_parallel_matches_unsharded():
     want = _conv_out_and_grads(*args, fn=_unsharded_conv)
     errs = {n: rel(a, b) for n, a, b in zip(("y", "state", "dx", "dw", "dh0"), got, want)}
     assert all(e <= F32_TOL for e in errs.values()), errs
+
+
+@functools.lru_cache(maxsize=None)
+def cp_mla(block: int):
+    mesh = _mesh()
+
+    def fn(q, lat, k_r, kv_b, seg):
+        body = functools.partial(mla_context_parallel_attention, axis_name="context", scale=MLA_SCALE,
+                                 block=block)
+        return jax.shard_map(body, mesh=mesh, in_specs=(ROW, P(None, "context", None),
+                                                        P(None, "context", None), P(), P(None, "context")),
+                             out_specs=(ROW, P()))(q, lat, k_r, kv_b, seg)
+    return fn
+
+
+def _unsharded_mla(q, lat, k_r, kv_b, seg):
+    """The model's unsharded path: expand the latent, then the oracle attention."""
+    h, rr = q.shape[2], k_r.shape[-1]
+    kv = jnp.einsum("btr,rq->btq", lat, kv_b).reshape(*lat.shape[:2], h, -1)
+    nope = q.shape[-1] - rr
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_r[:, :, None], (*k_r.shape[:2], h, rr))], -1)
+    return causal_attention(q, k, kv[..., nope:], seg, scale=MLA_SCALE)
+
+
+@functools.partial(jax.jit, static_argnames=("fn",))
+def _mla_out_and_grads(args, seg, cot, fn):
+    (o, m), vjp = jax.vjp(lambda *a: fn(*a, seg), *args)
+    return (o, m) + vjp((cot, jnp.zeros_like(m)))
+
+
+MLA_SCALE = 0.3
+
+
+@pytest.mark.parametrize("block", [8, 3], ids=["one_block", "blocks_with_padding"])
+def test_mla_context_parallel_matches_unsharded(block):
+    """B = 2, T = 64 (8 tokens per shard), 2 heads, dn 8, Rr 4, dv 8, R 16; documents start inside
+    slices, exactly at slice starts, and span slices; max logits equal the unsharded ones."""
+    B, T, H, dn, rr, dv, R = 2, 64, 2, 8, 4, 8, 16
+    rng = np.random.default_rng(3)
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    args = (f32(B, T, H, dn + rr), f32(B, T, R), f32(B, T, rr), f32(R, H * (dn + dv)))
+    starts = np.zeros((B, T), bool)
+    starts[0, [3, 8, 16, 21, 40]] = True
+    starts[1, [9, 56, 63]] = True
+    seg = jnp.asarray(np.cumsum(starts, axis=1).astype(np.int32) + 1)
+    cot = f32(B, T, H, dv)
+    got = _mla_out_and_grads(args, seg, cot, fn=cp_mla(block))
+    want = _mla_out_and_grads(args, seg, cot, fn=_unsharded_mla)
+    errs = {n: rel(a, b) for n, a, b in zip(("o", "max_logit", "dq", "dlat", "dk_r", "dkv_b"), got, want)}
+    assert all(e <= F32_TOL for e in errs.values()), errs
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
