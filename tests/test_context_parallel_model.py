@@ -53,6 +53,9 @@ def test_tiny_k3_context4_fsdp2_equals_one_device():
     gdef, st, _ = init_state(cfg, mesh, seed=0)
     sharded = nnx.merge(gdef, st["params"], st["rest"])
     nnx.update(sharded, jax.device_put(nnx.state(single), jax.tree.map(lambda x: x.sharding, nnx.state(sharded))))
+    # Weights are split over the context axis too (not replicated context-fold).
+    spec = sharded.prefix[0].self_attn.q_proj[...].sharding.spec
+    assert "context" in [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)], spec
 
     B, T = 4, 32                                      # 8 tokens per context shard
     rng = np.random.default_rng(0)

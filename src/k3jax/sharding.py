@@ -105,8 +105,10 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
 
 # Mesh axes that hold distinct parameter shards (ZeRO-3 style). Weights are all-gathered for
 # compute whatever their layout (activations are batch-sharded over every axis but tensor), so a
-# weight should be split over all of these, not only the one its logical rule names.
-PARAM_SHARD_AXES = ("fsdp", "expert")
+# weight should be split over all of these, not only the one its logical rule names. The context
+# axis holds distinct sequence slices of the same rows, so without it here every weight would be
+# replicated context-fold.
+PARAM_SHARD_AXES = ("fsdp", "expert", "context")
 
 
 def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
