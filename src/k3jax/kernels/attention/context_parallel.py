@@ -15,8 +15,10 @@ latent receives the key/value gradients of every shard's queries, and W_kv's gra
 over shards by shard_map (it enters replicated). Query blocks are rematerialised as in
 prefill.blocked_attention, so temporaries are O(block x T) per shard.
 
-The contiguous layout leaves the causal work unbalanced (the last shard attends to n times more
-keys than the first); `context_parallel_load_balance` (not implemented here) would fix that.
+Every shard computes its queries' logits against all T keys, the future ones masked rather than
+skipped, so the shards do equal work, about twice the causal minimum on average. Skipping masked
+key blocks would leave the contiguous layout unbalanced (the last shard needs n times the keys of
+the first); that is what a zigzag `context_parallel_load_balance` would pair with (not done here).
 """
 from __future__ import annotations
 
