@@ -13,13 +13,16 @@ same comparison measured logits 3.7e-6 and gradients 5.4e-4 (fsdp=8 alone: 1.0e-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from jax.sharding import AxisType
 
 from helpers import randomize, rel
 
 from k3jax import config as C
 from k3jax import model as M
 from k3jax import sharding as S
+from k3jax.layers import context as CP
 from k3jax.state import init_state
 
 # The smallest K3 schedule with both mixers and AttnRes: three KDA layers, then one MLA layer.
@@ -80,3 +83,10 @@ def test_tiny_k3_context4_fsdp2_equals_one_device():
     errs = {p: rel(a, b) for p, a, b in zip(paths, jax.tree.leaves(nnx.state(g_g)), jax.tree.leaves(nnx.state(g_w)))}
     worst = sorted(errs.items(), key=lambda x: -x[1])[:3]
     assert worst[0][1] < 2e-4, worst
+
+
+def test_sequence_not_splitting_into_context_slices_is_a_config_error():
+    mesh = jax.make_mesh((4, 2), ("context", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    x = jnp.zeros((2, 10, 8))
+    with jax.set_mesh(mesh), pytest.raises(C.ConfigError, match="10 tokens does not split into 4"):
+        CP.short_conv(x, jnp.ones((8, 4)), segment_ids=jnp.ones((2, 10), jnp.int32))

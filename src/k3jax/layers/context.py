@@ -14,6 +14,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding as S
+from k3jax.config import ConfigError
 from k3jax.kernels.attention.context_parallel import mla_context_parallel_attention
 from k3jax.kernels.kda.context_parallel import kda_context_parallel, short_conv_context_parallel
 
@@ -30,7 +31,11 @@ def context_size() -> int:
     return mesh.shape[AX]
 
 
-def _map(fn, in_specs, out_specs):
+def _map(fn, in_specs, out_specs, length: int):
+    n = context_size()
+    if length % n:
+        raise ConfigError(f"a sequence of {length} tokens does not split into {n} equal context slices "
+                         f"(ici_/dcn_context_parallelism); pad it to a multiple of {n}")
     return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
                          out_specs=out_specs, axis_names=frozenset({AX}))
 
@@ -40,18 +45,18 @@ def kda(core, q, k, v, g, beta, *, scale: float, segment_ids, strategy: str, **k
     def body(q, k, v, g, beta, seg):
         return kda_context_parallel(q, k, v, g, beta, axis_name=AX, scale=scale, segment_ids=seg,
                                     strategy=strategy, kda_fn=core, **kw)
-    return _map(body, (SEQ4, SEQ4, SEQ4, SEQ4, SEQ3, SEQ2), (SEQ4, P()))(q, k, v, g, beta, segment_ids)
+    return _map(body, (SEQ4, SEQ4, SEQ4, SEQ4, SEQ3, SEQ2), (SEQ4, P()), q.shape[1])(q, k, v, g, beta, segment_ids)
 
 
 def short_conv(x, weight, *, segment_ids):
     """kda/decode.short_conv over the context-sharded sequence -> (y, final conv state)."""
     def body(x, w, seg):
         return short_conv_context_parallel(x, w, axis_name=AX, segment_ids=seg)
-    return _map(body, (SEQ3, P(), SEQ2), (SEQ3, P()))(x, weight, segment_ids)
+    return _map(body, (SEQ3, P(), SEQ2), (SEQ3, P()), x.shape[1])(x, weight, segment_ids)
 
 
 def mla_attention(q, lat, k_r, kv_b, segment_ids, *, scale: float):
     """MLA attention of the context-sharded queries over the all-gathered latent -> (o, max_logit)."""
     def body(q, lat, k_r, kv_b, seg):
         return mla_context_parallel_attention(q, lat, k_r, kv_b, seg, axis_name=AX, scale=scale)
-    return _map(body, (SEQ4, SEQ3, SEQ3, P(), SEQ2), (SEQ4, P()))(q, lat, k_r, kv_b, segment_ids)
+    return _map(body, (SEQ4, SEQ3, SEQ3, P(), SEQ2), (SEQ4, P()), q.shape[1])(q, lat, k_r, kv_b, segment_ids)
