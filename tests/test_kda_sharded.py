@@ -39,7 +39,7 @@ def test_axes_follow_the_sharding_rules():
     """The axes the layer hands the wrapper are the activation rules' (kernels do not import sharding)."""
     assert BATCH_AXES == sharding.RULES["batch"]
     assert HEAD_AXIS == sharding.RULES["act_heads"]
-    assert sharding.RULES["seq"] is None                   # time is never split
+    assert sharding.RULES["seq"] == "context"              # time: only context parallelism splits it
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "use_h0"))

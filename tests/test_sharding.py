@@ -16,11 +16,12 @@ def cfg(*args):
 
 
 @pytest.mark.parametrize("args,shape", [
-    ([], (1, 8, 1, 1)),
-    (["ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 2, 1)),
-    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], (1, 2, 4, 1)),
-    (["ici_fsdp_parallelism=1", "ici_tensor_parallelism=2", "ici_data_parallelism=-1"], (4, 1, 1, 2)),
-    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 2, 1)),
+    ([], (1, 8, 1, 1, 1)),
+    (["ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 1, 2, 1)),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], (1, 2, 1, 4, 1)),
+    (["ici_fsdp_parallelism=1", "ici_tensor_parallelism=2", "ici_data_parallelism=-1"], (4, 1, 1, 1, 2)),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2"], (2, 2, 1, 2, 1)),
+    (["ici_context_parallelism=4", "ici_fsdp_parallelism=2"], (1, 2, 4, 1, 1)),
 ])
 def test_mesh_shapes(args, shape):
     mesh = S.make_mesh(cfg(*args))
@@ -41,6 +42,10 @@ def test_mesh_shapes(args, shape):
      "is not divisible by tensor parallelism 4"),
     (["dcn_data_parallelism=2"], "dcn parallelism product 2 != number of slices 1"),
     (["ici_data_parallelism=0"], "must be a positive size"),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=12"],
+     "max_target_length=12 must split into 8 context slices"),
+    (["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=16"],
+     "of equal length >= 3"),
 ])
 def test_impossible_meshes(args, fragment):
     if fragment is None:
@@ -51,7 +56,8 @@ def test_impossible_meshes(args, fragment):
 
 
 def test_rules_resolution():
-    assert S.logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp", "expert"), None, None)
+    assert S.logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp", "expert"), "context", None)
+    assert S.logical_to_spec(("batch", "cache_seq", None)) == P(("data", "fsdp", "expert"), "context", None)
     assert S.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
     assert S.logical_to_spec(("layers", "exp", "embed", "mlp")) == P(None, "expert", "fsdp", "tensor")
     # A mesh axis is used at most once per spec.
@@ -109,7 +115,7 @@ def test_k3_parameters_are_split_over_every_device_of_a_pod_mesh():
     from jax.sharding import AbstractMesh, AxisType
     from k3jax.state import abstract_state
     k3 = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=kimi-k3"])
-    mesh = AbstractMesh((1, 16, 64, 1), S.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = AbstractMesh((1, 16, 1, 64, 1), S.MESH_AXES, axis_types=(AxisType.Auto,) * 5)
     _, state, _ = abstract_state(k3)
     total = per_device = 0
     for v in jax.tree.leaves(state["params"], is_leaf=lambda x: isinstance(x, nnx.Variable)):

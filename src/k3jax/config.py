@@ -146,6 +146,8 @@ class KernelConfig:
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
     moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
+    context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
+                                        ("allgather", "ring"))
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
 
 
@@ -224,17 +226,19 @@ class CheckpointConfig:
 
 # The device mesh's axes, in mesh order; MeshConfig has an ici_/dcn_<axis>_parallelism key for each.
 # k3jax.sharding maps the logical axis names of arrays onto them.
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     ici_data_parallelism: int = _f(1, "data axis within a slice")
     ici_fsdp_parallelism: int = _f(-1, "fsdp axis within a slice; -1 fills the remaining devices")
+    ici_context_parallelism: int = _f(1, "context axis within a slice: splits every sequence into contiguous slices")
     ici_expert_parallelism: int = _f(1, "expert axis within a slice")
     ici_tensor_parallelism: int = _f(1, "tensor axis within a slice")
     dcn_data_parallelism: int = _f(1, "data axis across slices")
     dcn_fsdp_parallelism: int = _f(1, "fsdp axis across slices")
+    dcn_context_parallelism: int = _f(1, "context axis across slices")
     dcn_expert_parallelism: int = _f(1, "expert axis across slices")
     dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
     enable_distributed: bool = _f(False, "call jax.distributed.initialize() (multi-host TPU VMs)")
@@ -611,6 +615,12 @@ def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict
     ep = ici["expert"] * dcn["expert"]
     if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
         raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep}")
+    cp = ici["context"] * dcn["context"]
+    per_shard, rem = divmod(cfg.train.max_target_length, cp)
+    if rem or (cp > 1 and per_shard < mc.kda_conv_size - 1):
+        raise ConfigError(f"max_target_length={cfg.train.max_target_length} must split into {cp} context slices "
+                          f"of equal length >= {mc.kda_conv_size - 1} (kda_conv_size - 1); change it or "
+                          f"ici_/dcn_context_parallelism")
     tp = ici["tensor"] * dcn["tensor"]
     for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
         if heads % tp:

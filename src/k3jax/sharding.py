@@ -1,7 +1,7 @@
 """Device mesh and logical-axis sharding.
 
 Every parameter and activation names its axes with the short logical vocabulary below; one rules
-table maps those names to the mesh axes ``data``, ``fsdp``, ``expert``, ``tensor``. No mesh axis name
+table maps those names to the mesh axes ``data``, ``fsdp``, ``context``, ``expert``, ``tensor``. No mesh axis name
 appears under ``layers/``. The mesh uses ``AxisType.Auto`` (classic GSPMD propagation): parameters
 and batches carry NamedShardings, activations are pinned with ``constrain``, and jitted steps pin
 their output shardings to their inputs' (ecosystem.md §1).
@@ -24,7 +24,7 @@ from k3jax.config import MESH_AXES, Config, mesh_shape  # noqa: F401 - MESH_AXES
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": ("data", "fsdp", "expert"),  # every device holds distinct rows of the batch
-    "seq": None,
+    "seq": "context",                     # context parallelism: contiguous sequence slices
     "act_embed": None,                    # hidden width of activations stays whole
     "act_heads": "tensor",
     "act_mlp": "tensor",
@@ -39,7 +39,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,                       # scan-stacked axis
     "norm": None,                         # vectors: norm weights, biases, per-channel constants
     # decode cache
-    "cache_seq": None,
+    "cache_seq": "context",
 }
 
 
@@ -54,6 +54,7 @@ BATCH_AXES = _axes("batch")                                # rows of every activ
 EXPERT_AXIS = RULES["exp"]                                 # routed experts
 TOKEN_AXES = tuple(a for a in BATCH_AXES if a != EXPERT_AXIS)  # token axes besides the expert axis
 HEAD_AXIS = RULES["act_heads"]                             # attention / KDA heads of activations
+CONTEXT_AXIS = RULES["seq"]                                # contiguous sequence slices (layers/context.py)
 WEIGHT_EMBED_AXES = _axes("embed")                         # the model-width (FSDP) axis of weights
 
 
@@ -81,12 +82,15 @@ def logical_sharding(mesh: Mesh, names: Sequence[str | None]) -> NamedSharding:
 
 
 def _fits(shape: Sequence[int], spec: P, mesh: Mesh) -> P:
-    """Replicate any dimension its mesh axes do not divide (tiny configs on big meshes)."""
+    """Replicate any dimension its mesh axes do not divide (tiny configs on big meshes). Axes the
+    mesh lacks are dropped (a hand-built mesh without the context axis, say)."""
     fixed = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        if axes is None:
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh.shape)
+        if not axes:
             fixed.append(None)
             continue
+        axes = axes[0] if len(axes) == 1 else axes
         size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
         fixed.append(axes if dim % size == 0 else None)
     return P(*fixed)
@@ -101,8 +105,10 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
 
 # Mesh axes that hold distinct parameter shards (ZeRO-3 style). Weights are all-gathered for
 # compute whatever their layout (activations are batch-sharded over every axis but tensor), so a
-# weight should be split over all of these, not only the one its logical rule names.
-PARAM_SHARD_AXES = ("fsdp", "expert")
+# weight should be split over all of these, not only the one its logical rule names. The context
+# axis holds distinct sequence slices of the same rows, so without it here every weight would be
+# replicated context-fold.
+PARAM_SHARD_AXES = ("fsdp", "expert", "context")
 
 
 def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
@@ -153,7 +159,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
-    """Build the (data, fsdp, expert, tensor) mesh for ``devices`` (default: all devices)."""
+    """Build the (data, fsdp, context, expert, tensor) mesh for ``devices`` (default: all devices)."""
     devices = list(jax.devices() if devices is None else devices)
     num_slices = len({getattr(d, "slice_index", 0) for d in devices})
     ici, dcn = mesh_shape(cfg, len(devices), num_slices)

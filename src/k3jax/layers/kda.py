@@ -11,6 +11,7 @@ from flax import nnx
 
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
+from k3jax.layers import context as CP
 from k3jax.layers.common import l2_normalize, ones, param, rms_norm, zeros
 from k3jax import sharding as S
 from k3jax.sharding import constrain
@@ -35,6 +36,7 @@ class KDA(nnx.Module):
         self.core = get_kda_fn(kcfg.kda_impl, interpret=kcfg.pallas_interpret, batch_axes=S.BATCH_AXES,
                                head_axis=S.HEAD_AXIS)
         self.chunk_size = kcfg.kda_chunk_size
+        self.cp_strategy = kcfg.context_parallel_strategy
         mat = dict(std=std, dtype=dtype, matrix=(0, 1))
         self.q_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
         self.k_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
@@ -96,12 +98,14 @@ class KDA(nnx.Module):
         prompt leaves no trace in the conv state.
         """
         keep = (segment_ids != 0)[..., None].astype(x.dtype)
+        cp = CP.context_size() > 1                   # the sequence is split over the context axis
+        conv = CP.short_conv if cp else short_conv
         conv_in = {}
         outs = []
         for name, w, cw in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
                             ("v", self.v_proj, self.v_conv)):
             z = self._proj(x, w) * keep
-            y, conv_state = short_conv(z.astype(jnp.float32), cw[...], segment_ids=segment_ids)
+            y, conv_state = conv(z.astype(jnp.float32), cw[...], segment_ids=segment_ids)
             conv_in[name] = conv_state
             outs.append(self._heads(jax.nn.silu(y)))
         q, k, v = outs
@@ -110,7 +114,11 @@ class KDA(nnx.Module):
         g = self._gate(x)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_heads", None))
-        o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, segment_ids=segment_ids)
+        if cp:
+            o, state = CP.kda(self.core, q, k, v, g, beta, scale=self.head_dim ** -0.5,
+                              segment_ids=segment_ids, strategy=self.cp_strategy)
+        else:
+            o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, segment_ids=segment_ids)
         out = self._output(o, x)
         if not return_cache:
             return out, {}, None

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.kernels.attention import get_attention_fn, latent_attention
+from k3jax.layers import context as CP
 from k3jax.layers.common import ones, param, rms_norm
 from k3jax.layers.rope import apply_rope, softmax_scale
 from k3jax.sharding import constrain
@@ -79,13 +80,18 @@ class MLA(nnx.Module):
         if c.mla_use_rope:
             q_rope = apply_rope(q_rope, positions, c)
             k_r = apply_rope(k_r[..., None, :], positions, c)[..., 0, :]
-        kv = jnp.einsum("btr,rq->btq", lat, self._w(self.kv_b_proj, x.dtype))
-        kv = kv.reshape(*kv.shape[:-1], self.num_heads, -1)
-        k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        k_rope = jnp.broadcast_to(k_r[..., None, :], (*k_r.shape[:-1], self.num_heads, k_r.shape[-1]))
         q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "seq", "act_heads", None))
-        k = constrain(jnp.concatenate([k_nope, k_rope], -1), ("batch", "seq", "act_heads", None))
-        o, m = self.attention(q, k, v, segment_ids, scale=self.scale)
+        if CP.context_size() > 1:
+            # The sequence is split over the context axis: all-gather the latent, not keys/values.
+            o, m = CP.mla_attention(q, lat, k_r, self._w(self.kv_b_proj, x.dtype), segment_ids,
+                                    scale=self.scale)
+        else:
+            kv = jnp.einsum("btr,rq->btq", lat, self._w(self.kv_b_proj, x.dtype))
+            kv = kv.reshape(*kv.shape[:-1], self.num_heads, -1)
+            k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+            k_rope = jnp.broadcast_to(k_r[..., None, :], (*k_r.shape[:-1], self.num_heads, k_r.shape[-1]))
+            k = constrain(jnp.concatenate([k_nope, k_rope], -1), ("batch", "seq", "act_heads", None))
+            o, m = self.attention(q, k, v, segment_ids, scale=self.scale)
         out = self._finish(o, x)
         return out, {"max_logits": m}, ({"c": lat, "k_r": k_r} if return_cache else None)
 

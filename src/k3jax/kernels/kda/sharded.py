@@ -21,7 +21,8 @@ k3jax.sharding.BATCH_AXES = data, fsdp, expert and HEAD_AXIS = tensor: the mesh 
 manual (size-1 axes stay in the specs; they split nothing). As in sharding._fits, a dimension
 their size product does not divide is replicated (a tiny config on a big mesh): the specs then
 equal the activations' own shardings, so entering and leaving the map moves no data.
-Time is never split (the model's "seq" axis maps to no mesh axis).
+Time is not split here: under context parallelism (the "seq" axis on the context mesh axis) the
+layer has already made that axis manual (layers/context.py) and hands this wrapper its slice.
 
 The map is manual over every non-manual mesh axis, so inside it no axis is left for GSPMD to
 partition the kernel over; axes the specs leave out hold replicas that compute the same thing.
