@@ -97,6 +97,8 @@ class ModelConfig:
     router_weights_from_biased: bool = _f(False, "gather weights from biased scores (Kimi Linear remote-code quirk)")
     n_group: int = _f(1, "expert groups for grouped top-k")
     topk_group: int = _f(1, "groups kept in grouped top-k")
+    experts_format: str = _f("dense", "routed-expert weights in memory: dense (weight_dtype) | mxfp4 (packed E2M1 codes + E8M0 "
+                             "scale per 32 inputs, 4.25 bits; decode/serve; training needs freeze=[experts])", ("dense", "mxfp4"))
     # Block Attention Residuals
     attn_res: bool = _f(True, "Block Attention Residuals (K3) instead of plain residual adds")
     attn_res_block_size: int = _f(8, "decoder layers per AttnRes block (K3: 12)")
@@ -541,6 +543,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         if m.num_experts % m.n_group or m.topk_group > m.n_group:
             raise ConfigError(f"n_group={m.n_group}, topk_group={m.topk_group}: n_group must divide num_experts="
                               f"{m.num_experts} and topk_group <= n_group")
+    if m.experts_format == "mxfp4" and m.first_k_dense < m.num_layers:
+        odd = {k: v for k, v in (("moe_intermediate_size", m.moe_intermediate_size),
+                                 ("moe_latent_size" if m.moe_latent_size else "hidden_size", m.routed_width)) if v % 32}
+        if odd:
+            raise ConfigError(f"experts_format=mxfp4 needs the routed experts' input widths to be multiples of 32 "
+                              f"(one E8M0 scale per 32 inputs); got {odd}")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
     if k.kda_chunk_size % 16:

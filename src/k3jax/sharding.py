@@ -55,6 +55,7 @@ EXPERT_AXIS = RULES["exp"]                                 # routed experts
 TOKEN_AXES = tuple(a for a in BATCH_AXES if a != EXPERT_AXIS)  # token axes besides the expert axis
 HEAD_AXIS = RULES["act_heads"]                             # attention / KDA heads of activations
 WEIGHT_EMBED_AXES = _axes("embed")                         # the model-width (FSDP) axis of weights
+EXPERT_FFN_AXIS = RULES["mlp"]                             # the F axis of routed-expert weights
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P:
