@@ -143,8 +143,9 @@ def test_packed_model_logits_equal_dense_model_from_decoded_weights():
 
 
 def test_expert_parallel_decode_equals_one_device_for_any_batch_and_prompt():
-    """ep=2 on the 8-device mesh: a prompt of 6 tokens and 3 rows (neither divides the 8 token
-    shards) decode the same greedy tokens as on one device, with packed experts."""
+    """ep=2 on the 8-device mesh: 3 rows left-padded to 6 prompt tokens (prefill 18 tokens, decode
+    3: neither divides the 8 token shards) decode the same greedy tokens as on one device, with
+    packed experts."""
     base = [*TINY, "experts_format=mxfp4", "moe_ep_transport=padded"]
     one = C.load(C.REPO_CONFIGS / "base.yml", base)
     ep = C.load(C.REPO_CONFIGS / "base.yml", [*base, "ici_expert_parallelism=2"])
@@ -155,12 +156,10 @@ def test_expert_parallel_decode_equals_one_device_for_any_batch_and_prompt():
         mesh = make_mesh(cfg, devs)
         with jax.set_mesh(mesh):
             model, _ = _packed_pair(cfg, dense, mesh, seed=3)
-            got[name] = np.asarray(generate(model, prompts[:1], max_new_tokens=4)[0]), \
-                np.asarray(generate(model, prompts, max_new_tokens=4)[0])
+            got[name] = np.asarray(generate(model, prompts, max_new_tokens=4)[0])
     assert dict(make_mesh(ep, jax.devices()).shape)["expert"] == 2
-    for a, b in zip(got["one"], got["ep"]):
-        np.testing.assert_array_equal(a, b)
-    assert len(set(got["one"][1].ravel().tolist())) > 2          # not a degenerate repetition
+    np.testing.assert_array_equal(got["ep"], got["one"])
+    assert len(set(got["one"].ravel().tolist())) > 2              # not a degenerate repetition
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -247,3 +246,35 @@ def test_mxfp4_kernel_compiles_for_tpu_v5p():
     assert all(r["kind"] == "TPU v5" and r["mosaic_calls"] >= 1 for r in rows), rows
     fwd = next(r for r in rows if r["pass"] == "fwd")
     assert not fwd["dense_weights_in_hbm"], fwd     # the forward never forms the decoded experts
+
+
+def test_serving_mesh_decode_compiles_for_v5p_with_packed_experts():
+    """compile_step=decode on an expert x tensor serving mesh (non-expert weights replicated over
+    expert): the packed experts run through the Pallas kernel, the step fits, the analytic decode
+    roofline is positive, and the planner's serving candidates are tensor x expert meshes."""
+    from k3jax import compile as K
+    from k3jax import plan as PL
+    from k3jax import topology as TP
+    if not TP.libtpu_available():
+        pytest.skip("libtpu is not installed: no TPU compiler")
+    args = [*TINY[:-3], "num_layers=4", "mla_extra_layers=[]", "attn_res_block_size=2", "moe_intermediate_size=128",
+            "experts_format=mxfp4", "moe_impl=megablox", "compile_topology=v5p:2x2x1", "compile_step=decode",
+            "ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
+            "shard_params_over_all_axes=false", "per_device_batch_size=2", "max_target_length=256",
+            "dtype=bfloat16", "weight_dtype=bfloat16"]
+    cfg = C.load_from_argv(args)
+    lines = []
+    reports = K.run(cfg, out=lines.append)
+    dec = reports["decode"]
+    assert dec["memory"]["fits"] and dec["global_batch"] == 8
+    est = dec["estimate"]
+    assert est["hbm_bytes"]["experts"] > 0 and est["hbm_bytes"]["dense_weights"] > 0 and est["hbm_bytes"]["cache"] > 0
+    assert est["ici_bytes"]["weight_gather"] == 0          # dense weights are never gathered
+    assert est["ici_bytes"]["expert_all_to_all"] > 0 and est["ici_bytes"]["expert_tensor_psum"] > 0
+    assert est["ms_per_token"] > 0 and any("ms per token" in ln for ln in lines), lines
+    topo, mesh = K.topology_mesh(cfg, "v5p:2x2x1")
+    compiled, _, _ = K.compile_decode(cfg, mesh)
+    assert "mxfp4_gmm" in compiled.as_text()
+    k3 = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-32", "plan_step=decode"])
+    assert [(c["ici_expert_parallelism"], c["ici_tensor_parallelism"]) for c in PL.decode_candidates(k3, 32)] == \
+        [(2, 16), (4, 8), (8, 4)]

@@ -239,6 +239,9 @@ class MeshConfig:
     dcn_fsdp_parallelism: int = _f(1, "fsdp axis across slices")
     dcn_expert_parallelism: int = _f(1, "expert axis across slices")
     dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
+    shard_params_over_all_axes: bool = _f(True, "also split non-expert weights over the fsdp/expert axes their rules leave "
+                                          "unused (training memory); false for serving meshes: replicated over expert, "
+                                          "tensor-split only, so decode never all-gathers them")
     enable_distributed: bool = _f(False, "call jax.distributed.initialize() (multi-host TPU VMs)")
 
 
@@ -282,6 +285,8 @@ class CompileConfig:
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
     plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
     plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
+    plan_step: str = _f("train", "plan: which step ranks the meshes: train (fsdp x expert x data, tokens/s/chip) | decode "
+                        "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
 
 
 SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,

@@ -30,10 +30,11 @@ from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
 from k3jax.sharding import param_sharding
 
 
-def _with_shardings(state, mesh):
+def _with_shardings(state, mesh, extend: bool = True):
     """Variables holding ShapeDtypeStructs with the NamedSharding of their logical axes."""
     return jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, v.shape, v.axes))),
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=param_sharding(mesh, v.shape, v.axes, extend=extend))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -60,7 +61,8 @@ def abstract_state(cfg, mesh=None, *, optimizer: bool = False):
             model = build()
     gdef, params, rest = nnx.split(model, nnx.Param, REST)
     if mesh is not None:
-        params, rest = _with_shardings(params, mesh), _with_shardings(rest, mesh)
+        extend = cfg.mesh.shard_params_over_all_axes
+        params, rest = _with_shardings(params, mesh, extend), _with_shardings(rest, mesh, extend)
     state = {"params": params, "rest": rest}
     tx = None
     if optimizer:

@@ -268,6 +268,9 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
 
     if ffn_axis is not None and (ffn_axis in batch_axes or ffn_axis not in mesh.shape):
         raise ValueError(f"ffn_axis={ffn_axis!r} must be a mesh axis other than {batch_axes}")
+    if ffn_axis is not None and isinstance(w_down, MXFP4) and w_down.scales.shape[-2] % mesh.shape[ffn_axis]:
+        raise ValueError(f"MXFP4 experts: F/32={w_down.scales.shape[-2]} scale rows of w_down do not split over "
+                         f"{ffn_axis}={mesh.shape[ffn_axis]}; use a tensor parallelism dividing it")
     d_axes = _weight_d_axes((w_gate, w_up, w_down), (1, 1, 2), expert_axis, token_axes,
                             explicit, weight_d_axes, ffn_axis)
     d_entry = None if not d_axes else (d_axes[0] if len(d_axes) == 1 else d_axes)

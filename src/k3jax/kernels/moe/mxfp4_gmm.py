@@ -83,8 +83,11 @@ def _kernel(tile_group_ref, tile_live_ref, xe_ref, xo_ref, codes_ref, scales_ref
         v = e2m1_value(v).reshape(k2 // per, per, tn) * f[:, None, :]
         return v.reshape(k2, tn).astype(xe_ref.dtype)
 
-    acc = jnp.dot(xe_ref[...], plane(c & 15), preferred_element_type=jnp.float32)
-    acc += jnp.dot(xo_ref[...], plane(c >> 4), preferred_element_type=jnp.float32)
+    # Explicit precision: bf16 operands are exact products on the MXU at DEFAULT (Mosaic rejects
+    # an fp32 contract precision for them, e.g. under jax_default_matmul_precision=highest).
+    prec = jax.lax.Precision.HIGHEST if xe_ref.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    acc = jnp.dot(xe_ref[...], plane(c & 15), preferred_element_type=jnp.float32, precision=prec)
+    acc += jnp.dot(xo_ref[...], plane(c >> 4), preferred_element_type=jnp.float32, precision=prec)
     live = tile_live_ref[t] > 0
     out_ref[...] = jnp.where(live, acc, 0.0).astype(out_ref.dtype)
 
@@ -93,7 +96,10 @@ def _forward(lhs, codes, scales, group_sizes, out_dtype, tiling, interpret):
     m, k = lhs.shape
     g, k2, n = codes.shape
     tm, _, tn = tiling
-    tm = max(8 if lhs.dtype.itemsize >= 4 else 16, tm)
+    # Row tile: at most the mean rows per group (decode: a few rows per expert, so a 16-row tile
+    # wastes little), at least one sublane tile (8 rows f32, 16 packed bf16).
+    least = 8 if lhs.dtype.itemsize >= 4 else 16
+    tm = max(least, min(tm, -(-max(1, _cdiv(m, g)) // least) * least))
     tn = tn if n % tn == 0 else n
     dest, tile_group, tile_live, num_tiles = tile_layout(group_sizes, m, tm)
     rows = num_tiles * tm
