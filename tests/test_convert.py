@@ -161,7 +161,7 @@ def test_packed_mxfp4_experts_decode_to_the_dense_conversion(k3, k3_packed, tmp_
         export(str(out), str(tmp_path / "hf"), progress=False)
 
 
-def test_packed_mxfp4_conversion_serves_the_dense_conversions_logits(k3, k3_packed):
+def test_packed_mxfp4_conversion_serves_the_dense_conversions_logits(k3, k3_packed, tmp_path, capsys):
     """experts_format=mxfp4 loads the converter's packed output as is (uint8 codes + E8M0 scales,
     4.25 bits per routed-expert weight, measured from the live arrays) and its logits equal the
     model holding the same experts dequantized by the codec (the dense conversion)."""
@@ -190,6 +190,13 @@ def test_packed_mxfp4_conversion_serves_the_dense_conversions_logits(k3, k3_pack
     rel = float(np.sqrt(np.mean((have - want) ** 2) / np.mean(want ** 2)))
     print(f"mxfp4 vs dense logits: relative RMS {rel:.3e}, {bits[0]} bits per routed-expert weight")
     assert np.abs(want).max() > 0.1 and rel <= 1e-5
+    # The logit checker CLI reads the packed conversion as is (on all 8 devices, so reductions run
+    # in another order than the one-device reference: the thresholds of the Kimi Linear check).
+    golden = tmp_path / "dense.npz"
+    np.savez(golden, tokens=np.asarray(tokens), logits=want)
+    assert logit_check.main(["configs/base.yml", *args, f"load_parameters_path={k3_packed}", "experts_format=mxfp4",
+                             f"golden={golden}", "atol=1e-3", "max_kl=1e-6"]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_k3_round_trip_bit_exact(k3, tmp_path):

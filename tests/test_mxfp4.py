@@ -162,8 +162,9 @@ def test_expert_parallel_decode_equals_one_device_for_any_batch_and_prompt():
     assert len(set(got["one"].ravel().tolist())) > 2              # not a degenerate repetition
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_expert_times_tensor_parallel_moe_equals_one_device(packed):
+@pytest.mark.parametrize("packed, impl", [(False, "ragged_dot"), (True, "ragged_dot"), (False, "megablox"),
+                                          (True, "megablox")])
+def test_expert_times_tensor_parallel_moe_equals_one_device(packed, impl):
     """ep=2 x tensor=2 (F sharded, partial down projections psum'd), 6 tokens over 4 token shards:
     output and d x / d routing weights (and d experts when dense) equal the one-device dropless."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -184,7 +185,7 @@ def test_expert_times_tensor_parallel_moe_equals_one_device(packed):
 
     def ep(x, w, *ws):
         return moe_expert_parallel(x, w, idx, *ws, act, mesh=mesh, expert_axis="expert", token_axes=("data", "fsdp"),
-                                   transport="padded", ffn_axis="tensor")
+                                   transport="padded", ffn_axis="tensor", impl=impl, interpret=True)
 
     def one(x, w, *ws):
         return moe_dropless(x, w, idx, *ws, act)
