@@ -279,3 +279,18 @@ def test_serving_mesh_decode_compiles_for_v5p_with_packed_experts():
     k3 = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-32", "plan_step=decode"])
     assert [(c["ici_expert_parallelism"], c["ici_tensor_parallelism"]) for c in PL.decode_candidates(k3, 32)] == \
         [(2, 16), (4, 8), (8, 4)]
+
+
+def test_training_with_frozen_packed_experts_runs_and_keeps_them(tmp_path):
+    """freeze=[experts]: the train loop runs with packed experts (built as zero codes: a run from
+    scratch has no checkpoint to load them from), the losses are finite, and the uint8 codes are
+    carried through the steps unchanged, outside the optimizer."""
+    from k3jax.train import train
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", [*TINY, "experts_format=mxfp4", "freeze=[experts]", "steps=2",
+                                               "per_device_batch_size=1", "max_target_length=16",
+                                               "enable_checkpointing=false", "enable_tensorboard=false",
+                                               f"base_output_directory={tmp_path}", "log_period=1"])
+    out = train(cfg)
+    assert len(out["history"]) == 2 and all(np.isfinite(h["loss"]) for h in out["history"])
+    packed = [v[...] for _, v in nnx.to_flat_state(nnx.filter_state(out["state"]["rest"], Packed))]
+    assert packed and all(p.dtype == jnp.uint8 and not np.asarray(p).any() for p in packed)  # init zeros, untouched
