@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model_name", default=None, help="check config.json against this model config")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
-                    help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (not loadable by the model yet)")
+                    help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (load with experts_format=mxfp4)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     from k3jax.errors import guard

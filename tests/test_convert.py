@@ -138,10 +138,16 @@ def test_k3_conversion_matches_model_built_from_dequantized_weights(k3):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_mxfp4_experts_decode_to_the_dense_conversion(k3, tmp_path):
+@pytest.fixture(scope="module")
+def k3_packed(k3, tmp_path_factory):
+    out = tmp_path_factory.mktemp("k3") / "packed"
+    convert(str(k3[3]), str(out), dtype="float32", experts_format="mxfp4", progress=False)
+    return out
+
+
+def test_packed_mxfp4_experts_decode_to_the_dense_conversion(k3, k3_packed, tmp_path):
     _, _, _, hf_dir, dense = k3
-    out = tmp_path / "packed"
-    convert(str(hf_dir), str(out), dtype="float32", experts_format="mxfp4", progress=False)
+    out = k3_packed
     packed = ocp.StandardCheckpointer().restore(out / "experts_mxfp4")
     dense_leaves = open_item(dense / "params")
     assert len(packed) == sum(p[-1] in ("w_gate", "w_up", "w_down") for p in dense_leaves) > 0
@@ -153,6 +159,44 @@ def test_packed_mxfp4_experts_decode_to_the_dense_conversion(k3, tmp_path):
     assert not any(p[-1] in ("w_gate", "w_up", "w_down") for p in params)
     with pytest.raises(Exception, match="experts_format mxfp4"):
         export(str(out), str(tmp_path / "hf"), progress=False)
+
+
+def test_packed_mxfp4_conversion_serves_the_dense_conversions_logits(k3, k3_packed, tmp_path, capsys):
+    """experts_format=mxfp4 loads the converter's packed output as is (uint8 codes + E8M0 scales,
+    4.25 bits per routed-expert weight, measured from the live arrays) and its logits equal the
+    model holding the same experts dequantized by the codec (the dense conversion)."""
+    from k3jax.kernels.moe.quantized import MXFP4, bits_per_weight
+    from k3jax.layers.common import Packed
+    cfg, _, _, _, dense = k3
+    args = [f"model_name={dense / 'model.yml'}", "weight_dtype=float32"]
+    ref_cfg = C.load(C.REPO_CONFIGS / "base.yml", [*args, f"load_parameters_path={dense}"])
+    run = C.load(C.REPO_CONFIGS / "base.yml", [*args, f"load_parameters_path={k3_packed}", "experts_format=mxfp4"])
+    mesh = make_mesh(run, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        ref, got = restore_model(ref_cfg, mesh), restore_model(run, mesh)
+    packed = dict(nnx.to_flat_state(nnx.state(got, Packed)))
+    codes = [p[:-1] for p in packed if p[-1] == "codes"]
+    ws = [MXFP4(packed[p + ("codes",)][...], packed[p + ("scales",)][...]) for p in codes]
+    m = cfg.model
+    assert sum(int(np.prod(w.shape)) for w in ws) == (m.num_layers - m.first_k_dense) * m.num_experts * 3 * \
+        m.routed_width * m.moe_intermediate_size        # every routed-expert weight is packed
+    bits = [bits_per_weight(w) for w in ws]
+    assert all(b == 4.25 for b in bits), bits
+    assert all(v[...].dtype == jnp.uint8 for v in packed.values())
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.model.vocab_size, (2, 24)), jnp.int32)
+    with jax.set_mesh(mesh):
+        want = np.asarray(logit_check._forward()(ref, tokens))
+        have = np.asarray(logit_check._forward()(got, tokens))
+    rel = float(np.sqrt(np.mean((have - want) ** 2) / np.mean(want ** 2)))
+    print(f"mxfp4 vs dense logits: relative RMS {rel:.3e}, {bits[0]} bits per routed-expert weight")
+    assert np.abs(want).max() > 0.1 and rel <= 1e-5
+    # The logit checker CLI reads the packed conversion as is (on all 8 devices, so reductions run
+    # in another order than the one-device reference: the thresholds of the Kimi Linear check).
+    golden = tmp_path / "dense.npz"
+    np.savez(golden, tokens=np.asarray(tokens), logits=want)
+    assert logit_check.main(["configs/base.yml", *args, f"load_parameters_path={k3_packed}", "experts_format=mxfp4",
+                             f"golden={golden}", "atol=1e-3", "max_kl=1e-6"]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_k3_round_trip_bit_exact(k3, tmp_path):

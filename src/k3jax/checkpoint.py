@@ -155,3 +155,50 @@ def _check_compatible(meta, abstract, where):
         if shape != tuple(a.shape):
             raise CheckpointError(f"{where}: {k} has shape {shape} in the checkpoint but {tuple(a.shape)} in the "
                                   f"model; check model_name")
+
+
+def packed_experts_dir(path: str | Path) -> Path | None:
+    """The converter's ``experts_mxfp4`` item beside ``params`` (``--experts_format mxfp4``), if any."""
+    try:
+        d = resolve_params_dir(path).parent / "experts_mxfp4"
+    except CheckpointError:
+        return None
+    return d if d.is_dir() else None
+
+
+def load_packed_experts(path: str | Path, abstract_packed):
+    """MXFP4 experts from the converter's ``experts_mxfp4`` item into the model's packed variables.
+
+    The item stores, per dense expert leaf (dotted path), ``codes`` uint8 [..., E, out, in/2] and
+    ``scales`` uint8 [..., E, out, in/32] in the checkpoint's [out, in] orientation; the model keeps
+    them K-major ([..., E, in/2, out], kernels/moe/quantized.py). Each leaf is read sharded as
+    the model's leaf is (its last two mesh axes swapped) and transposed on its devices: the bytes
+    stay packed throughout."""
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    d = packed_experts_dir(path)
+    flat = nnx.to_flat_state(abstract_packed)
+    target, where = {}, {}
+    for p, v in flat:
+        a = v.get_value() if hasattr(v, "get_value") else v.value
+        key, leaf = ".".join(map(str, p[:-1])), str(p[-1])
+        spec = tuple(a.sharding.spec) + (None,) * (len(a.shape) - len(a.sharding.spec))
+        swapped = NamedSharding(a.sharding.mesh, P(*spec[:-2], spec[-1], spec[-2]))
+        target.setdefault(key, {})[leaf] = jax.ShapeDtypeStruct((*a.shape[:-2], a.shape[-1], a.shape[-2]),
+                                                                np.uint8, sharding=swapped)
+        where[(key, leaf)] = (p, a)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        meta = ckptr.metadata(d)
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
+        raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
+    _check_compatible(getattr(meta, "item_metadata", meta), target, d)
+    got = ckptr.restore(d, target)
+    out, var = [], dict(flat)
+    for (key, leaf), (p, a) in where.items():
+        swap = jax.jit(lambda x: jax.numpy.swapaxes(x, -1, -2), out_shardings=a.sharding)
+        out.append((p, var[p].replace(swap(got[key][leaf]))))
+        got[key][leaf] = None   # free the checkpoint-layout copy
+    return nnx.from_flat_state(out)

@@ -72,6 +72,15 @@ def compile_train(cfg, mesh):
     return compiled, time.perf_counter() - t0, gb
 
 
+def decode_inputs(cfg, mesh, gb: int):
+    """(params, rest, cache, cache layout tree) of the decode step, abstract and sharded."""
+    gdef, state, _ = abstract_state(cfg, mesh)
+    params, rest = state["params"], state["rest"]
+    model = nnx.merge(gdef, params, rest)
+    length = cfg.train.max_target_length
+    return params, rest, abstract_cache(model, mesh, gb, length), model.cache_spec(gb, length)
+
+
 def compile_decode(cfg, mesh):
     """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
     gb = cfg.global_batch_size(mesh.devices.size)
@@ -208,6 +217,90 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     return r
 
 
+def _split(mesh, sharding) -> dict:
+    """{mesh axis: size} a leaf is split over."""
+    return {a: mesh.shape[a] for e in sharding.spec for a in _mesh_axes(e)}
+
+
+def decode_estimate(cfg, mesh, chip: TP.Chip, params, rest, cache, cache_specs, batch: int) -> dict:
+    """Analytic per-device traffic of one decode step (one token for each of ``batch`` rows, a
+    cache of max_target_length slots) and its roofline time; a lower bound, since XLA's cost
+    analysis counts the scanned layers once.
+
+    HBM: every non-expert weight shard, all-gathered first over the batch axes (data, fsdp,
+    expert) it is split on (of the embedding table only the looked-up rows); of the routed experts only the expected touched share of the local
+    ones, 1 - (1 - 1/E)^(rows of the expert group x top_k) under uniform routing; the whole local
+    cache read, recurrent states (no cache_seq axis) also written. ICI: those weight gathers, the
+    expert all-to-all (each local row's top_k latent rows out and back), the psum over tensor of
+    the expert down projections (f32, over the static receive buffer the dropless EP kernel
+    allocates: ep * rows * min(top_k, E_local)), and four tensor-parallel reductions of the
+    [rows, D] activations per layer. Compute: 2 x active parameters per row plus MLA attention
+    over the context. Collectives' latency is not modelled (only bandwidth).
+    """
+    m = cfg.model
+    shape = dict(mesh.shape)
+    batch_axes = ("data", "fsdp", "expert")
+    groups = math.prod(shape.get(a, 1) for a in ("data", "fsdp"))
+    ep, tp = shape.get("expert", 1), shape.get("tensor", 1)
+    rows_local = -(-batch // (groups * ep))                   # rows per device (padded)
+    rows_group = rows_local * ep                              # rows an expert group routes
+    touched = 1.0 - (1.0 - 1.0 / m.num_experts) ** (rows_group * m.num_experts_per_token)
+    hbm = {"dense_weights": 0.0, "experts": 0.0, "cache": 0.0}
+    ici = {"weight_gather": 0.0}
+    for v in jax.tree.leaves({"p": params, "r": rest}, is_leaf=is_variable):
+        a = jax.tree.leaves(v)[0]
+        split = _split(mesh, a.sharding)
+        shard = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize / math.prod(split.values())
+        if "exp" in tuple(v.axes):
+            hbm["experts"] += touched * shard
+            continue
+        g = math.prod(s for ax, s in split.items() if ax in batch_axes)
+        if tuple(v.axes)[-2:] == ("vocab", "embed"):   # the embedding lookup reads one row per token
+            shard = min(shard, batch * a.shape[-1] * jnp.dtype(a.dtype).itemsize / math.prod(split.values()))
+        hbm["dense_weights"] += shard * g
+        ici["weight_gather"] += shard * (g - 1)
+    specs = jax.tree.leaves(cache_specs, is_leaf=_is_cache_spec)
+    for a, spec in zip(jax.tree.leaves(cache), specs, strict=True):
+        shard = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize / math.prod(_split(mesh, a.sharding).values())
+        hbm["cache"] += shard * (1 if "cache_seq" in spec[2] else 2)   # recurrent states are written back
+    moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
+    act = jnp.dtype(cfg.train.dtype).itemsize
+    k, lw = m.num_experts_per_token, m.routed_width
+    ici["expert_all_to_all"] = moe_layers * 2 * rows_local * k * lw * act * (ep - 1) / ep
+    e_local = m.num_experts // ep
+    buf = ep * rows_local * min(k, e_local)
+    ici["expert_tensor_psum"] = moe_layers * 2 * (tp - 1) / tp * buf * lw * 4 if tp > 1 else 0.0
+    ici["tensor_reductions"] = m.num_layers * 4 * 2 * (tp - 1) / tp * rows_local * m.hidden_size * act
+    total, active = counts.param_counts(m)
+    ctx = cfg.train.max_target_length
+    mla_layers = len(m.mla_layer_set)
+    attn = mla_layers * 2 * 2 * ctx * m.num_attention_heads * (m.kv_lora_rank + m.qk_rope_head_dim)
+    flops = (2 * active + attn) * batch / mesh.devices.size
+    r = roofline(flops, sum(hbm.values()), chip, sum(ici.values()))
+    chips = mesh.devices.size / chip.devices_per_chip
+    r.update({"hbm_bytes": hbm, "ici_bytes": ici, "flops_per_device": flops, "batch": batch, "context": ctx,
+              "experts_touched_fraction": touched, "ms_per_token": 1e3 * r["step_s"],
+              "tokens_per_s_per_chip": batch / r["step_s"] / chips if r["step_s"] else 0.0})
+    return r
+
+
+def _is_cache_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
+
+
+def format_decode(est: dict, chip: TP.Chip) -> str:
+    h, i = est["hbm_bytes"], est["ici_bytes"]
+    return (f"decode roofline (analytic, batch {est['batch']}, context {est['context']}): HBM per device "
+            f"{gib(sum(h.values()))} (dense weights {gib(h['dense_weights'])}, experts touched "
+            f"{100 * est['experts_touched_fraction']:.1f}% = {gib(h['experts'])}, cache {gib(h['cache'])}) at "
+            f"{chip.hbm_bandwidth / 1e9:.0f} GB/s = {1e3 * est['t_memory']:.2f} ms; ICI per device "
+            f"{sum(i.values()) / 1e6:.1f} MB (weight gathers {i['weight_gather'] / 1e6:.1f}, expert all-to-all "
+            f"{i['expert_all_to_all'] / 1e6:.1f}, expert tensor psum {i['expert_tensor_psum'] / 1e6:.1f}, tensor "
+            f"reductions {i['tensor_reductions'] / 1e6:.1f}) at {chip.ici_bandwidth / 1e9:.0f} GB/s = "
+            f"{1e3 * est['t_ici']:.2f} ms; compute {1e3 * est['t_compute']:.3f} ms -> "
+            f"{est['ms_per_token']:.2f} ms per token, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+
+
 def gib(x: float) -> str:
     return f"{x / TP.GiB:.2f} GiB"
 
@@ -266,11 +359,14 @@ def run(cfg, out=print) -> dict:
     if cfg.compile.compile_step in ("decode", "both"):
         compiled, secs, gb = compile_decode(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
-        reports["decode"] = {"memory": mem, "cost": cost, "compile_s": secs, "global_batch": gb}
-        out(f"decode step: batch {gb}, cache {cfg.train.max_target_length} slots, compiled in {secs:.1f}s")
+        est = decode_estimate(cfg, mesh, chip, *decode_inputs(cfg, mesh, gb), gb)
+        reports["decode"] = {"memory": mem, "cost": cost, "compile_s": secs, "global_batch": gb, "estimate": est}
+        out(f"decode step: batch {gb}, cache {cfg.train.max_target_length} slots, experts "
+            f"{cfg.model.experts_format}, compiled in {secs:.1f}s")
         out(format_memory("decode", mem))
         out(f"decode FLOPs per device: XLA {cost['flops']:.3e}; bytes accessed {cost['bytes']:.3e} "
-            f"(>= {cost['bytes'] / chip.hbm_bandwidth * 1e3:.2f} ms per token at full HBM bandwidth)")
+            f"(scanned layers counted once by XLA)")
+        out(format_decode(est, chip))
     return reports
 
 

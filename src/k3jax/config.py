@@ -97,6 +97,8 @@ class ModelConfig:
     router_weights_from_biased: bool = _f(False, "gather weights from biased scores (Kimi Linear remote-code quirk)")
     n_group: int = _f(1, "expert groups for grouped top-k")
     topk_group: int = _f(1, "groups kept in grouped top-k")
+    experts_format: str = _f("dense", "routed-expert weights in memory: dense (weight_dtype) | mxfp4 (packed E2M1 codes + E8M0 "
+                             "scale per 32 inputs, 4.25 bits; decode/serve; training needs freeze=[experts])", ("dense", "mxfp4"))
     # Block Attention Residuals
     attn_res: bool = _f(True, "Block Attention Residuals (K3) instead of plain residual adds")
     attn_res_block_size: int = _f(8, "decoder layers per AttnRes block (K3: 12)")
@@ -241,6 +243,9 @@ class MeshConfig:
     dcn_context_parallelism: int = _f(1, "context axis across slices")
     dcn_expert_parallelism: int = _f(1, "expert axis across slices")
     dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
+    shard_params_over_all_axes: bool = _f(True, "also split non-expert weights over the fsdp/expert axes their rules leave "
+                                          "unused (training memory); false for serving meshes: replicated over expert, "
+                                          "tensor-split only, so decode never all-gathers them")
     enable_distributed: bool = _f(False, "call jax.distributed.initialize() (multi-host TPU VMs)")
 
 
@@ -284,6 +289,8 @@ class CompileConfig:
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
     plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
     plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
+    plan_step: str = _f("train", "plan: which step ranks the meshes: train (fsdp x expert x data, tokens/s/chip) | decode "
+                        "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
 
 
 SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
@@ -545,6 +552,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         if m.num_experts % m.n_group or m.topk_group > m.n_group:
             raise ConfigError(f"n_group={m.n_group}, topk_group={m.topk_group}: n_group must divide num_experts="
                               f"{m.num_experts} and topk_group <= n_group")
+    if m.experts_format == "mxfp4" and m.first_k_dense < m.num_layers:
+        odd = {k: v for k, v in (("moe_intermediate_size", m.moe_intermediate_size),
+                                 ("moe_latent_size" if m.moe_latent_size else "hidden_size", m.routed_width)) if v % 32}
+        if odd:
+            raise ConfigError(f"experts_format=mxfp4 needs the routed experts' input widths to be multiples of 32 "
+                              f"(one E8M0 scale per 32 inputs); got {odd}")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
     if k.kda_chunk_size % 16:

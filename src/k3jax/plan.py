@@ -9,6 +9,13 @@ memory). Every candidate's train step is
 compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table
 is ranked by the roofline estimate of tokens/s/chip (model FLOPs and XLA bytes at the chip's peak,
 see k3jax.compile.train_estimate). A candidate the compiler rejects is listed with its reason.
+
+``plan_step=decode`` searches serving meshes instead: tensor x expert (data = fsdp = 1, non-expert
+weights replicated over expert: ``shard_params_over_all_axes=false``), expert sizes from
+``plan_expert_parallelism`` or the divisors of num_experts and the device count from 2 up to
+three, tensor filling the rest and dividing the attention / KDA heads. Each decode step (batch
+``per_device_batch_size`` x devices, a cache of max_target_length) is compiled, kept when it fits,
+and ranked by the analytic roofline ms per token (``k3jax.compile.decode_estimate``).
 """
 from __future__ import annotations
 
@@ -41,6 +48,60 @@ def candidates(cfg, num_devices: int) -> list[dict]:
                     out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": int(dp), "ici_fsdp_parallelism": -1,
                                 "remat_policy": str(remat), "per_device_batch_size": float(pdb)})
     return out
+
+
+def decode_candidates(cfg, num_devices: int) -> list[dict]:
+    """Serving meshes tensor x expert to try, least expert-parallel first (most tensor-parallel)."""
+    m = cfg.model
+    eps = [int(e) for e in cfg.compile.plan_expert_parallelism] or [
+        e for e in range(2, num_devices + 1) if num_devices % e == 0 and m.num_experts % e == 0][:3]
+    out = []
+    for ep in sorted(set(eps)):
+        tp = num_devices // ep
+        if num_devices % ep or m.num_experts % ep or m.num_attention_heads % tp or m.kda_num_heads % tp:
+            continue
+        out.append({"ici_expert_parallelism": ep, "ici_tensor_parallelism": tp, "ici_data_parallelism": 1,
+                    "ici_fsdp_parallelism": 1, "shard_params_over_all_axes": False})
+    return out
+
+
+def evaluate_decode(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
+    """Compile one serving mesh's decode step; -> row with memory and the decode roofline."""
+    row = dict(cand)
+    try:
+        c = C.override(cfg, cand)
+        C.validate(c, num_devices=len(devices))
+        mesh = make_mesh(c, devices=devices)
+        row["mesh"] = K.mesh_desc(mesh)
+        compiled, secs, gb = K.compile_decode(c, mesh)
+    except (C.ConfigError, ValueError) as e:
+        row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return row
+    except (RuntimeError, NotImplementedError) as e:
+        row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return row
+    row.update(memory=K.memory_report(compiled, chip.hbm_bytes), global_batch=gb, compile_s=secs,
+               estimate=K.decode_estimate(c, mesh, chip, *K.decode_inputs(c, mesh, gb), gb))
+    return row
+
+
+def decode_table(rows: list[dict]) -> str:
+    ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
+                key=lambda r: (r["estimate"]["ms_per_token"], r["memory"]["total"]))
+    head = (f"{'rank':>4}  {'mesh':<44} {'batch':>5} {'context':>7} {'mem/dev GiB':>11} {'HBM%':>5} "
+            f"{'ms/token':>8} {'tok/s/chip':>10}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(ok, 1):
+        e, m = r["estimate"], r["memory"]
+        lines.append(f"{i:>4}  {r['mesh']:<44} {r['global_batch']:>5} {e['context']:>7} {m['total'] / TP.GiB:>11.2f} "
+                     f"{100 * m['total'] / m['hbm']:>5.1f} {e['ms_per_token']:>8.2f} {e['tokens_per_s_per_chip']:>10.0f}")
+    if ok:
+        lines.append("ms/token and tok/s/chip: analytic decode roofline (HBM bytes, collective bytes at ICI bandwidth, "
+                     "compute; overlapped; latency of collectives not modelled)")
+    for r in (r for r in rows if r not in ok):
+        why = r.get("error") or f"needs {r['memory']['total'] / TP.GiB:.1f} GiB per device"
+        lines.append(f"      expert={r['ici_expert_parallelism']} tensor={r['ici_tensor_parallelism']}: {why}")
+    return "\n".join(lines)
 
 
 def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
@@ -99,6 +160,8 @@ def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
         raise C.ConfigError("topology is not set; e.g. topology=tpu7x-1024 or topology=v5p-2048")
     topo = TP.resolve(cfg.compile.topology)
     devices = TP.devices(topo)
+    if cfg.compile.plan_step == "decode":
+        return _plan_decode(cfg, topo, devices, out, limit)
     cands = candidates(cfg, len(devices))[:limit]
     out(f"planning {cfg.model_name} on {topo}: {len(cands)} candidates, sequence length {cfg.train.max_target_length}")
     rows = []
@@ -110,6 +173,22 @@ def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
             f"remat={cand['remat_policy']} batch/dev={cand['per_device_batch_size']:g}: {status}")
         rows.append(r)
     out(table(rows, cfg.train.max_target_length))
+    return rows
+
+
+def _plan_decode(cfg, topo, devices, out, limit) -> list[dict]:
+    cands = decode_candidates(cfg, len(devices))[:limit]
+    out(f"planning {cfg.model_name} decode on {topo}: {len(cands)} serving meshes, batch "
+        f"{cfg.global_batch_size(len(devices))}, context {cfg.train.max_target_length}")
+    rows = []
+    for i, cand in enumerate(cands, 1):
+        r = evaluate_decode(cfg, devices, topo.chip, cand)
+        status = r.get("error") or (f"{r['memory']['total'] / TP.GiB:.1f} GiB/dev, "
+                                    f"{r['estimate']['ms_per_token']:.2f} ms/token")
+        out(f"[{i}/{len(cands)}] expert={cand['ici_expert_parallelism']} tensor={cand['ici_tensor_parallelism']}: "
+            f"{status}")
+        rows.append(r)
+    out(decode_table(rows))
     return rows
 
 

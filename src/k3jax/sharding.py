@@ -56,6 +56,7 @@ TOKEN_AXES = tuple(a for a in BATCH_AXES if a != EXPERT_AXIS)  # token axes besi
 HEAD_AXIS = RULES["act_heads"]                             # attention / KDA heads of activations
 CONTEXT_AXIS = RULES["seq"]                                # contiguous sequence slices (layers/context.py)
 WEIGHT_EMBED_AXES = _axes("embed")                         # the model-width (FSDP) axis of weights
+EXPERT_FFN_AXIS = RULES["mlp"]                             # the F axis of routed-expert weights
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P:
@@ -111,7 +112,8 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
 PARAM_SHARD_AXES = ("fsdp", "expert", "context")
 
 
-def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None], *,
+                   extend: bool = True) -> NamedSharding:
     """NamedSharding for a parameter: ``sharding_for``, then every parameter-sharding mesh axis
     (PARAM_SHARD_AXES) the logical rules left unused is added to a dimension it divides.
 
@@ -125,11 +127,15 @@ def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]
     Placement: a dimension already split over a parameter-sharding axis first (it extends the
     fsdp split, keeping the all-gather pattern of that weight), then the others in order; the
     scan-stacked ``layers`` axis never (the scan slices it). Vectors are left as the rules say.
+
+    ``extend=False`` (``shard_params_over_all_axes=false``, serving) keeps the rules' placement:
+    non-expert weights are then replicated over ``expert`` and tensor-split only, so a decode step
+    reads its shard instead of all-gathering the dense weights every token.
     """
     spec = [(() if a is None else (a,) if isinstance(a, str) else tuple(a))
             for a in tuple(_fits(shape, logical_to_spec(names), mesh)) + (None,) * (len(shape) - len(names))]
     dims = [i for i, n in enumerate(names) if n != "layers"]
-    if len(dims) >= 2:
+    if len(dims) >= 2 and extend:
         used = {a for axes in spec for a in axes}
         for ax in PARAM_SHARD_AXES:
             if ax in used or mesh.shape.get(ax, 1) == 1:

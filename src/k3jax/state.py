@@ -10,8 +10,8 @@ declared (``layers.common.param``). From it:
   first); the train loop restores full checkpoints into the same targets;
 - ``k3jax.compile`` lowers the train and decode steps against it for a TPU topology.
 
-State layout: ``{"params": nnx.State of nnx.Param, "rest": nnx.State of RouterBias,
-"opt_state": optax state}`` (``opt_state`` only with an optimizer). Parameters stay nnx Variables
+State layout: ``{"params": nnx.State of nnx.Param, "rest": nnx.State of RouterBias and Packed
+(MXFP4 experts with ``experts_format=mxfp4``), "opt_state": optax state}`` (``opt_state`` only with an optimizer). Parameters stay nnx Variables
 so their metadata (logical axes, matrix axes) travels with them to the optimizer and the planner.
 """
 from __future__ import annotations
@@ -23,17 +23,18 @@ import numpy as np
 from flax import nnx
 
 from k3jax import model as M
-from k3jax.checkpoint import CheckpointError, load_extra, load_params
+from k3jax.checkpoint import CheckpointError, load_extra, load_packed_experts, load_params, packed_experts_dir
 from k3jax.config import ConfigError
-from k3jax.layers.common import RouterBias
+from k3jax.layers.common import REST, Packed, RouterBias
 from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
 from k3jax.sharding import param_sharding
 
 
-def _with_shardings(state, mesh):
+def _with_shardings(state, mesh, extend: bool = True):
     """Variables holding ShapeDtypeStructs with the NamedSharding of their logical axes."""
     return jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, v.shape, v.axes))),
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=param_sharding(mesh, v.shape, v.axes, extend=extend))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -58,9 +59,10 @@ def abstract_state(cfg, mesh=None, *, optimizer: bool = False):
     else:
         with jax.set_mesh(mesh):
             model = build()
-    gdef, params, rest = nnx.split(model, nnx.Param, RouterBias)
+    gdef, params, rest = nnx.split(model, nnx.Param, REST)
     if mesh is not None:
-        params, rest = _with_shardings(params, mesh), _with_shardings(rest, mesh)
+        extend = cfg.mesh.shard_params_over_all_axes
+        params, rest = _with_shardings(params, mesh, extend), _with_shardings(rest, mesh, extend)
     state = {"params": params, "rest": rest}
     tx = None
     if optimizer:
@@ -86,7 +88,7 @@ def init_state(cfg, mesh, *, seed: int | None = None, optimizer: bool = False):
     target = shardings(abstract)
 
     def init():
-        _, params, rest = nnx.split(M.build(cfg, seed), nnx.Param, RouterBias)
+        _, params, rest = nnx.split(M.build(cfg, seed), nnx.Param, REST)
         return {"params": params, "rest": rest}
 
     if M.count_params(abstract["params"]) <= M.FLAT_INIT_MAX_PARAMS:
@@ -120,16 +122,34 @@ def restore_state(cfg, mesh, *, optimizer: bool = False):
         raise ConfigError("load_parameters_path is not set; pass the converter's output directory or a "
                           "checkpoint step directory")
     gdef, abstract, _ = abstract_state(cfg, mesh)
-    params = load_params(path, abstract["params"])
+    packed = nnx.filter_state(abstract["rest"], Packed)
+    converted = packed_experts_dir(path) is not None
     try:
-        rest = load_extra(path, abstract["rest"])
+        params = load_params(path, abstract["params"])
+    except CheckpointError as e:
+        if jax.tree.leaves(packed) and not converted:
+            raise CheckpointError(f"load_parameters_path={path}: experts_format=mxfp4 needs a conversion made with "
+                                  f"--experts_format mxfp4 (an experts_mxfp4 item beside params) or a checkpoint "
+                                  f"saved with experts_format=mxfp4 ({e})") from e
+        raise
+    if jax.tree.leaves(packed) and not converted:
+        rest = load_extra(path, abstract["rest"])      # a k3jax checkpoint keeps them in 'extra'
+    else:
+        rest = _load_biases(cfg, path, nnx.filter_state(abstract["rest"], RouterBias))
+        if jax.tree.leaves(packed):
+            rest = nnx.merge_state(rest, load_packed_experts(path, packed))
+    return gdef, *_add_optimizer(cfg, mesh, {"params": params, "rest": rest}, optimizer)
+
+
+def _load_biases(cfg, path, abstract_biases):
+    try:
+        return load_extra(path, abstract_biases)
     except CheckpointError:
         if not cfg.checkpoint.allow_missing_router_biases:
             raise
         print(f"note: {path} has no router biases ('extra' item); starting them at zero "
               f"(allow_missing_router_biases=true)", file=sys.stderr)
-        rest = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract["rest"])
-    return gdef, *_add_optimizer(cfg, mesh, {"params": params, "rest": rest}, optimizer)
+        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract_biases)
 
 
 def restore_model(cfg, mesh) -> M.K3Model:

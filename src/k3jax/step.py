@@ -16,7 +16,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError
 from k3jax.kernels.moe import balance
-from k3jax.layers.common import RouterBias
+from k3jax.layers.common import REST
 from k3jax.loss import chunked_cross_entropy
 from k3jax.optim import qk_clip
 from k3jax.sharding import batch_sharding
@@ -63,11 +63,20 @@ def _reduce_micro_aux(auxs):
 
 # ---- the step ---------------------------------------------------------------------------------
 
+def check_trainable(cfg) -> None:
+    """Packed MXFP4 experts have no gradient; training them must be asked for explicitly as frozen."""
+    if cfg.model.experts_format == "mxfp4" and not {"experts", "moe"} & set(cfg.train.freeze):
+        raise ConfigError(f"experts_format=mxfp4 keeps the routed experts packed (4-bit, not trainable), but "
+                          f"freeze={cfg.train.freeze} does not freeze them; add experts to freeze "
+                          f"(freeze=[experts]) or train with experts_format=dense")
+
+
 def make_train_step(cfg, gdef, tx):
     """step(state, batch) -> (new state, metrics) for state = {"params", "opt_state", "rest"} and a
     batch of [B, T] arrays (tokens, targets, segment_ids, positions, loss_mask). Trace it under
     ``jax.set_mesh(mesh)``: the model reads the ambient mesh (expert parallelism, constraints)."""
     t = cfg.train
+    check_trainable(cfg)
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
@@ -114,7 +123,7 @@ def make_train_step(cfg, gdef, tx):
         model = nnx.merge(gdef, new_params, rest)
         if t.router_bias_update_rate > 0:
             update_router_biases(model, aux, t.router_bias_update_rate)
-        new_rest = nnx.state(model, RouterBias)
+        new_rest = nnx.state(model, REST)
         loads = moe_loads(layout, aux)
         if loads is not None:
             metrics["expert_load_max_over_mean"] = jnp.mean(jnp.max(loads, -1) / jnp.maximum(jnp.mean(loads, -1), 1e-9))

@@ -22,6 +22,14 @@ class RouterBias(nnx.Variable):
     """e_score_correction_bias: updated by the balancing rule, never by the optimizer."""
 
 
+class Packed(nnx.Variable):
+    """Packed quantized weights (MXFP4 expert codes / scales, uint8): loaded, never trained."""
+
+
+# Variables outside ``nnx.Param`` that the model state carries as its "rest" (state.py).
+REST = (RouterBias, Packed)
+
+
 def is_variable(x) -> bool:
     """``is_leaf`` for trees of nnx Variables: a Variable (with its metadata) is one leaf."""
     return isinstance(x, nnx.Variable)

@@ -11,7 +11,23 @@ from flax import nnx
 from k3jax import sharding as S
 from k3jax.kernels.moe import balance, dispatch, routing
 from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
-from k3jax.layers.common import MLP, RouterBias, glu_activation, ones, param, rms_norm, zeros
+from k3jax.kernels.moe.quantized import MX_BLOCK, MXFP4
+from k3jax.layers.common import MLP, Packed, RouterBias, glu_activation, ones, param, rms_norm, zeros
+
+
+class PackedExperts(nnx.Module):
+    """One routed-expert matrix stack [E, K, N] kept as MXFP4 (``quantized.MXFP4`` layout):
+    ``codes`` uint8 [E, K/2, N] and ``scales`` uint8 [E, K/32, N], with the dense weight's logical
+    axes (so they shard over the expert axis, and K/N as the dense ones). Not trainable (``Packed``
+    variables are outside nnx.Param); built as zeros, filled by ``load_parameters_path``."""
+
+    def __init__(self, rngs, stack, e: int, k: int, n: int, axes):
+        u8 = dict(init=zeros, dtype=jnp.uint8, kind=Packed)
+        self.codes = param(rngs, stack, (e, k // 2, n), axes, **u8)
+        self.scales = param(rngs, stack, (e, k // MX_BLOCK, n), axes, **u8)
+
+    def operand(self) -> MXFP4:
+        return MXFP4(self.codes[...], self.scales[...])
 
 
 class MoE(nnx.Module):
@@ -31,10 +47,15 @@ class MoE(nnx.Module):
             if cfg.moe_latent_norm:
                 self.latent_norm = param(rngs, stack, (lw,), ("norm",), init=ones, dtype=dtype)
         # Expert weights [E, in, out]; the matrix axes exclude E so Muon treats experts separately.
-        ex = dict(std=std, dtype=dtype, matrix=(1, 2))
-        self.w_gate = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
-        self.w_up = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
-        self.w_down = param(rngs, stack, (e, f, lw), ("exp", "mlp", "embed"), **ex)
+        if cfg.experts_format == "mxfp4":
+            self.w_gate = PackedExperts(rngs, stack, e, lw, f, ("exp", "embed", "mlp"))
+            self.w_up = PackedExperts(rngs, stack, e, lw, f, ("exp", "embed", "mlp"))
+            self.w_down = PackedExperts(rngs, stack, e, f, lw, ("exp", "mlp", "embed"))
+        else:
+            ex = dict(std=std, dtype=dtype, matrix=(1, 2))
+            self.w_gate = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
+            self.w_up = param(rngs, stack, (e, lw, f), ("exp", "embed", "mlp"), **ex)
+            self.w_down = param(rngs, stack, (e, f, lw), ("exp", "mlp", "embed"), **ex)
         if cfg.num_shared_experts:
             self.shared_experts = MLP(cfg, cfg.num_shared_experts * f, rngs, stack, dtype)
 
@@ -72,21 +93,32 @@ class MoE(nnx.Module):
                  "dropped_fraction": jnp.asarray(dropped, jnp.float32), "aux_loss": aux}
         return out, stats
 
+    def experts(self, dtype):
+        """(w_gate, w_up, w_down) as the dispatch kernels take them: dense arrays cast to the
+        activation ``dtype``, or packed ``MXFP4`` operands (decoded tile by tile in the grouped
+        matmul; see kernels/moe/quantized.py)."""
+        ws = (self.w_gate, self.w_up, self.w_down)
+        if self.cfg.experts_format == "mxfp4":
+            return tuple(w.operand() for w in ws)
+        return tuple(w[...].astype(dtype) for w in ws)
+
     def _dispatch(self, x, w, idx):
         """Routed experts (latent projections included): x [N,D] -> ([N,D] in x.dtype, dropped)."""
         c, k = self.cfg, self.kcfg
         z = x
         if c.moe_latent_size:
             z = jnp.einsum("nd,dl->nl", x, self.latent_down[...].astype(x.dtype))
-        experts = (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype),
-                   self.w_down[...].astype(x.dtype))
+        experts = self.experts(x.dtype)
         dropped = jnp.zeros((), jnp.float32)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get(S.EXPERT_AXIS, 1) > 1:
             if k.moe_ep_transport == "ragged" and mesh.abstract_device.platform == "cpu":
                 raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
                                  "implement; set moe_ep_transport=padded on CPU")
+            # F stays sharded over the tensor axis (expert x tensor parallelism), never gathered.
+            ffn_axis = S.EXPERT_FFN_AXIS if mesh.shape.get(S.EXPERT_FFN_AXIS, 1) > 1 else None
             r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
+                                    ffn_axis=ffn_axis,
                                     token_axes=S.TOKEN_AXES, impl=k.moe_impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
                                     transport=k.moe_ep_transport, weight_d_axes=S.WEIGHT_EMBED_AXES,

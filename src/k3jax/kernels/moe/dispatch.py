@@ -7,7 +7,9 @@ All three compute, for routing `(weights [N, k], idx [N, k])` from `routing.rout
     out[n] = sum_j weights[n, j] * f32(y_{idx[n, j]}(x[n]))   # f32 accumulation
 
 with the same casts, so they agree to accumulation order in any dtype. Weights are [in, out]:
-w_gate, w_up [E, D, F]; w_down [E, F, D]. `act(gate, up)` maps two f32 [..., F] arrays to
+w_gate, w_up [E, D, F]; w_down [E, F, D]; each either a dense array (x dtype) or a packed
+`quantized.MXFP4` of that logical shape (the grouped matmul takes it as is; the capacity and
+reference paths decode it to x dtype / f32 first). `act(gate, up)` maps two f32 [..., F] arrays to
 f32 [..., F] elementwise (SwiGLU `silu(g) * u`, SiTU, ...).
 
 Letters: n tokens, k slots, e experts, c capacity, d model (latent) dim, f expert ffn dim,
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.kernels.moe.gmm import grouped_matmul
+from k3jax.kernels.moe.quantized import as_dense
 
 __all__ = [
     "Act", "moe_dropless", "moe_capacity", "moe_dense_reference", "sort_by_expert",
@@ -76,7 +79,7 @@ def sort_by_expert(idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 
 def expert_ffn_grouped(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, act: Act, *,
                        impl: str, interpret: bool = False,
-                       tiling: tuple[int, int, int] = (128, 128, 128)) -> jax.Array:
+                       tiling: tuple[int, int, int] = (128, 128, 128), reduce=None) -> jax.Array:
     """Gated expert MLP on expert-sorted rows via grouped matmuls.
 
     Args:
@@ -84,6 +87,8 @@ def expert_ffn_grouped(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_do
       group_sizes: [E] int32, sum <= M; rows past the sum come out as 0.
       w_gate, w_up: [E, D, F]; w_down: [E, F, D].
       impl, interpret, tiling: see `gmm.grouped_matmul`.
+      reduce: optional f32 [M, D] -> [M, D] applied to the down projection before the cast (the
+        psum over a tensor axis when F is sharded: each shard holds a partial sum).
     Returns:
       [M, D] in xs.dtype.
     """
@@ -94,10 +99,11 @@ def expert_ffn_grouped(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_do
     # buffers at bf16 (K3: [E_local, ep*C, F] per matrix) at the cost of one bf16 rounding.
     g, u = gmm(xs, w_gate, xs.dtype), gmm(xs, w_up, xs.dtype)
     h = act(g.astype(jnp.float32), u.astype(jnp.float32)).astype(xs.dtype)  # [M, F]
-    return gmm(h, w_down, jnp.float32).astype(xs.dtype)                   # [M, D]
+    y = gmm(h, w_down, jnp.float32)                                       # [M, D]
+    return (y if reduce is None else reduce(y)).astype(xs.dtype)
 
 
-def expert_ffn_batched(buf: jax.Array, w_gate, w_up, w_down, act: Act) -> jax.Array:
+def expert_ffn_batched(buf: jax.Array, w_gate, w_up, w_down, act: Act, reduce=None) -> jax.Array:
     """Gated expert MLP on fixed-size per-expert buffers (capacity mode).
 
     Args:
@@ -107,12 +113,14 @@ def expert_ffn_batched(buf: jax.Array, w_gate, w_up, w_down, act: Act) -> jax.Ar
       [E, C, D] in buf.dtype.
     """
     f32 = jnp.float32
+    w_gate, w_up, w_down = (as_dense(w, buf.dtype) for w in (w_gate, w_up, w_down))
     # Gate/up in buf.dtype (f32 accumulation inside the matmul), gating in f32: see
     # expert_ffn_grouped.
     g = jnp.einsum("ecd,edf->ecf", buf, w_gate, preferred_element_type=buf.dtype)
     u = jnp.einsum("ecd,edf->ecf", buf, w_up, preferred_element_type=buf.dtype)
     h = act(g.astype(f32), u.astype(f32)).astype(buf.dtype)
-    return jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=f32).astype(buf.dtype)
+    y = jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=f32)
+    return (y if reduce is None else reduce(y)).astype(buf.dtype)
 
 
 def moe_dropless(x, weights, idx, w_gate, w_up, w_down, act: Act, *, impl: str = "ragged_dot",
@@ -247,10 +255,11 @@ def moe_dense_reference(x, weights, idx, w_gate, w_up, w_down, act: Act) -> jax.
     # XLA:CPU has no bf16 x bf16 -> f32 batched dot for the "nef,efd" layout).
     mm = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=f32)
-    g = mm("nd,edf->nef", x.astype(f32), w_gate.astype(f32))
-    u = mm("nd,edf->nef", x.astype(f32), w_up.astype(f32))
+    w_gate, w_up, w_down = (as_dense(w, f32) for w in (w_gate, w_up, w_down))
+    g = mm("nd,edf->nef", x.astype(f32), w_gate)
+    u = mm("nd,edf->nef", x.astype(f32), w_up)
     h = act(g, u).astype(x.dtype)
-    y = mm("nef,efd->ned", h.astype(f32), w_down.astype(f32)).astype(x.dtype)
+    y = mm("nef,efd->ned", h.astype(f32), w_down).astype(x.dtype)
     gate = jnp.zeros((n, w_gate.shape[0]), f32).at[
         jnp.arange(n)[:, None], idx].add(weights.astype(f32))             # [N, E] sparse weights
     return jnp.einsum("ne,ned->nd", gate, y.astype(f32))

@@ -52,6 +52,7 @@ from k3jax.kernels.moe.dispatch import (
     Act, capacity_collect, capacity_dispatch, capacity_of, capacity_slots, combine,
     expert_ffn_batched, expert_ffn_grouped, sort_by_expert)
 from k3jax.kernels.moe.gmm import row_group_ids
+from k3jax.kernels.moe.quantized import MXFP4
 
 __all__ = ["moe_expert_parallel", "padded_ragged_all_to_all", "dispatch_bytes_per_token"]
 
@@ -104,11 +105,20 @@ def _gather_d(w_gate, w_up, w_down, d_axes):
     """All-gather FSDP shards of the model dim (D) of the local expert weights."""
     if not d_axes:
         return w_gate, w_up, w_down
-    ag = lambda w, ax: jax.lax.all_gather(w, d_axes, axis=ax, tiled=True)
+    def ag(w, ax):
+        g = lambda a: jax.lax.all_gather(a, d_axes, axis=ax, tiled=True)  # noqa: E731
+        if isinstance(w, MXFP4):   # scales of a K-sharded (gate/up) stack arrive whole: see _specs
+            return MXFP4(g(w.codes), w.scales if ax == 1 else g(w.scales))
+        return g(w)
     return ag(w_gate, 1), ag(w_up, 1), ag(w_down, 2)
 
 
-def _dropless_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_axes, impl,
+def _ffn_reduce(ffn_axis):
+    """psum over the tensor axis sharding F (each shard's down projection is a partial sum)."""
+    return None if ffn_axis is None else (lambda y: jax.lax.psum(y, ffn_axis))
+
+
+def _dropless_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_axes, ffn_axis, impl,
                     interpret, tiling, transport):
     """Per-device dropless body. x [n, D], weights/idx [n, k], w_* local [E_l, ...]."""
     w_gate, w_up, w_down = _gather_d(w_gate, w_up, w_down, d_axes)
@@ -136,7 +146,8 @@ def _dropless_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_a
     perm = jnp.argsort(local_e, stable=True)
     inv_perm = jnp.zeros_like(perm).at[perm].set(jnp.arange(rows, dtype=perm.dtype))
     ys = expert_ffn_grouped(buf[perm], recv_counts.sum(0), w_gate, w_up, w_down, act,
-                            impl=impl, interpret=interpret, tiling=tiling)  # [rows, D]
+                            impl=impl, interpret=interpret, tiling=tiling,
+                            reduce=_ffn_reduce(ffn_axis))                   # [rows, D]
     # Reverse trip: my slice for source i sits at recv_off[i]; it goes back to where source i
     # cut it from (its in_off[me]).
     src_off = jax.lax.all_to_all(in_off, axis, 0, 0, tiled=True)
@@ -144,7 +155,7 @@ def _dropless_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_a
     return combine(weights, back[inverse].reshape(n, k, d))
 
 
-def _capacity_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_axes,
+def _capacity_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_axes, ffn_axis,
                     capacity_factor, batch_axes):
     """Per-device capacity body (GShard): fixed [E, C, D] buffers over all_to_all."""
     w_gate, w_up, w_down = _gather_d(w_gate, w_up, w_down, d_axes)
@@ -157,7 +168,7 @@ def _capacity_local(x, weights, idx, w_gate, w_up, w_down, *, act, axis, ep, d_a
     buf = capacity_dispatch(x, slot, e, c, k)                             # [E, C, D]
     got = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)                 # [(src, E_l), C, D]
     got = got.reshape(ep, e_local, c, d).swapaxes(0, 1).reshape(e_local, ep * c, d)
-    y = expert_ffn_batched(got, w_gate, w_up, w_down, act)                # [E_l, ep*C, D]
+    y = expert_ffn_batched(got, w_gate, w_up, w_down, act, _ffn_reduce(ffn_axis))  # [E_l, ep*C, D]
     y = y.reshape(e_local, ep, c, d).swapaxes(0, 1).reshape(e, c, d)      # [(src, E_l), C, D]
     back = jax.lax.all_to_all(y, axis, 0, 0, tiled=True)                  # [E, C, D] mine
     out = combine(weights, capacity_collect(back, slot, n, k))
@@ -172,7 +183,7 @@ def _axis_names(spec_entry) -> tuple[str, ...]:
     return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
 
 
-def _weight_d_axes(ws, d_dims, expert_axis, token_axes, explicit, given) -> tuple[str, ...]:
+def _weight_d_axes(ws, d_dims, expert_axis, token_axes, explicit, given, ffn_axis=None) -> tuple[str, ...]:
     """FSDP axes of the experts' D dim: `given`, else read from the (Explicit) sharding types."""
     if given is not None:
         if not set(given) <= set(token_axes):
@@ -182,6 +193,7 @@ def _weight_d_axes(ws, d_dims, expert_axis, token_axes, explicit, given) -> tupl
         return ()
     found = set()
     for w, d_dim in zip(ws, d_dims):
+        w = w.codes if isinstance(w, MXFP4) else w    # scales share the codes' sharding
         spec = tuple(jax.typeof(w).sharding.spec) + (None,) * 3
         for dim in range(3):
             names = _axis_names(spec[dim])
@@ -193,8 +205,9 @@ def _weight_d_axes(ws, d_dims, expert_axis, token_axes, explicit, given) -> tupl
                     raise ValueError(f"D dim of {jax.typeof(w)} may only be sharded over the "
                                      f"token axes {token_axes}")
                 found.add(names)
-            elif dim != 0 and names:
-                raise ValueError(f"ffn dim of {jax.typeof(w)} must be unsharded")
+            elif dim != 0 and names and names != ((ffn_axis,) if ffn_axis else ()):
+                raise ValueError(f"ffn dim of {jax.typeof(w)} must be unsharded or sharded over "
+                                 f"ffn_axis={ffn_axis!r}")
     if len(found) != 1:
         raise ValueError(f"w_gate, w_up, w_down must share one D sharding, got {found}")
     return found.pop()
@@ -205,7 +218,7 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
                         impl: str = "ragged_dot", mode: str = "dropless",
                         capacity_factor: float | None = None, transport: str = "ragged",
                         weight_d_axes: tuple[str, ...] | None = None, interpret: bool = False,
-                        tiling: tuple[int, int, int] = (128, 128, 128)):
+                        tiling: tuple[int, int, int] = (128, 128, 128), ffn_axis: str | None = None):
     """Expert-parallel MoE; same results as the single-device functions (module docstring).
 
     Args:
@@ -215,13 +228,17 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
       mesh: jax Mesh containing `expert_axis` and every name in `token_axes` (other axes, e.g.
         tensor, see replicated tokens and compute redundantly).
       expert_axis: mesh axis that shards experts (ep = its size; E % ep == 0).
-      token_axes: further mesh axes sharding the tokens (N % prod(sizes) * ep == 0).
+      token_axes: further mesh axes sharding the tokens (any N: rows are padded to a multiple
+        of prod(sizes) * ep with zero routing weight and cut off again).
       impl: local grouped-matmul impl for dropless ("ragged_dot" | "megablox" | "dense").
       mode: "dropless" or "capacity" (then `capacity_factor` is required).
       transport: dropless exchange, "ragged" (`ragged_all_to_all`) or "padded" (CPU tests).
       weight_d_axes: token axes sharding the experts' D dim (FSDP); None reads them from
         Explicit sharding types (unsharded on Auto meshes).
       interpret, tiling: megablox interpret mode (required off TPU) and (tm, tk, tn) tiles.
+      ffn_axis: a mesh axis (not a token axis; e.g. tensor) sharding the experts' F dim: every
+        device of it gets the same tokens, runs its F slice, and the down projections are psum'd
+        over it in f32 (expert x tensor parallelism for serving: no expert is ever gathered).
     Returns:
       dropless: out [N, D] f32 sharded P((*token_axes, expert_axis), None).
       capacity: (out, dropped_fraction f32 scalar over the whole batch).
@@ -238,22 +255,42 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
     ep = mesh.shape[expert_axis]
     shards = math.prod(mesh.shape[a] for a in batch_axes)
     n_tokens, e = x.shape[0], w_gate.shape[0]
-    if e % ep or n_tokens % shards:
-        raise ValueError(f"need E={e} divisible by ep={ep} and N={n_tokens} by {shards} shards")
+    if e % ep:
+        raise ValueError(f"need E={e} divisible by ep={ep}")
+    # Any token count (a decode batch, a prompt chunk): pad with rows of routing weight 0 up to a
+    # multiple of the shard count. They sit after the real rows, so in capacity mode they only take
+    # slots no real token wanted; their outputs are cut off below.
+    pad = -n_tokens % shards
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)))
 
+    if ffn_axis is not None and (ffn_axis in batch_axes or ffn_axis not in mesh.shape):
+        raise ValueError(f"ffn_axis={ffn_axis!r} must be a mesh axis other than {batch_axes}")
+    if ffn_axis is not None and isinstance(w_down, MXFP4) and w_down.scales.shape[-2] % mesh.shape[ffn_axis]:
+        raise ValueError(f"MXFP4 experts: F/32={w_down.scales.shape[-2]} scale rows of w_down do not split over "
+                         f"{ffn_axis}={mesh.shape[ffn_axis]}; use a tensor parallelism dividing it")
     d_axes = _weight_d_axes((w_gate, w_up, w_down), (1, 1, 2), expert_axis, token_axes,
-                            explicit, weight_d_axes)
+                            explicit, weight_d_axes, ffn_axis)
     d_entry = None if not d_axes else (d_axes[0] if len(d_axes) == 1 else d_axes)
     tok = P(batch_axes, None)
-    w_in = P(expert_axis, d_entry, None)
-    w_out = P(expert_axis, None, d_entry)
-    in_specs = (tok, tok, tok, w_in, w_in, w_out)
+    w_in = P(expert_axis, d_entry, ffn_axis)
+    w_out = P(expert_axis, ffn_axis, d_entry)
+    # Packed experts (MXFP4) keep the dense layout's dims. Their codes shard as the dense weights;
+    # the scales of gate/up, whose K/32 dim an FSDP axis need not divide, come unsharded over D
+    # (1/16 of the codes' bytes); w_down's scales shard over D (its N dim) as its codes.
+    def like(w, spec, scales_spec):
+        return MXFP4(spec, scales_spec) if isinstance(w, MXFP4) else spec
+    w_in_scales = P(expert_axis, None, ffn_axis)
+    in_specs = (tok, tok, tok, like(w_gate, w_in, w_in_scales), like(w_up, w_in, w_in_scales),
+                like(w_down, w_out, w_out))
     args = (x, weights, idx, w_gate, w_up, w_down)
     if explicit:
-        args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
-                     for a, s in zip(args, in_specs))
+        args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args, in_specs,
+                            is_leaf=lambda v: isinstance(v, P))
 
-    common = dict(act=act, axis=expert_axis, ep=ep, d_axes=d_axes)
+    common = dict(act=act, axis=expert_axis, ep=ep, d_axes=d_axes, ffn_axis=ffn_axis)
     if mode == "dropless":
         body = functools.partial(_dropless_local, impl=impl, interpret=interpret,
                                  tiling=tuple(tiling), transport=transport, **common)
@@ -271,8 +308,11 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
     # cotangents psum'd over the axes their spec leaves out), correct here because every output
     # is replicated over the axes its spec leaves out.
     check_vma = not (mode == "dropless" and impl == "megablox")
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=check_vma)(*args)
+    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        check_vma=check_vma)(*args)
+    if pad:
+        out = (out[0][:n_tokens], out[1]) if mode == "capacity" else out[:n_tokens]
+    return out
 
 
 def dispatch_bytes_per_token(*, d_model: int, top_k: int, ep: int, bytes_per_elem: int = 2,

@@ -14,12 +14,20 @@ Three interchangeable implementations (same numbers and gradients, chosen by `im
                 backend" at lowering. There is no fallback to another impl.
   "dense"       reference: every group on every row ([G, M, N] intermediate), then a row ->
                 group one-hot mask. Obviously correct, O(G) too much work: tests only.
+
+`rhs` may be an `MXFP4` (packed 4-bit experts, quantized.py). Then "megablox" runs our Pallas
+kernel that decodes each [tk, tn] weight tile in VMEM (mxfp4_gmm.py; the packed stack never
+exists in BF16/F32 in HBM), while "ragged_dot" and "dense" are the XLA path: they dequantize the
+stack to lhs.dtype first (CPU runs, tests; it materialises the dense experts).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import megablox
+
+from k3jax.kernels.moe.mxfp4_gmm import mxfp4_grouped_matmul
+from k3jax.kernels.moe.quantized import MXFP4, dequantize
 
 __all__ = ["grouped_matmul", "IMPLS", "row_group_ids"]
 
@@ -88,7 +96,7 @@ def grouped_matmul(
 
     Args:
       lhs: [M, K] rows sorted by group (bf16 or f32).
-      rhs: [G, K, N] one matrix per group (same dtype as lhs).
+      rhs: [G, K, N] one matrix per group (same dtype as lhs), or an `MXFP4` of that shape.
       group_sizes: [G] int32 rows per group, sum(group_sizes) <= M. Rows past the sum are
         outside every group: their output is 0 and they receive no gradient.
       impl: "ragged_dot" | "megablox" | "dense" (module docstring).
@@ -98,6 +106,11 @@ def grouped_matmul(
     Returns:
       [M, N] in `preferred_element_type`. Differentiable wrt lhs and rhs with every impl.
     """
+    if isinstance(rhs, MXFP4):
+        if impl == "megablox":
+            return mxfp4_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                                        interpret=interpret, tiling=tuple(tiling))
+        rhs = dequantize(rhs.check(), lhs.dtype)
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"need lhs [M, K], rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],):
