@@ -21,7 +21,7 @@ from k3jax.checkpoint import Checkpointer
 from k3jax.cli import run_tool
 from k3jax.errors import UserError
 from k3jax.console import Console, timed_compile
-from k3jax.evaluate import Evaluator
+from k3jax.evaluate import Evaluator, check_eval_data
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
 from k3jax.runtime import load_tokenizer
@@ -43,7 +43,9 @@ def train(cfg, *, on_step=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
     tok = load_tokenizer(cfg) if cfg.data.dataset_type != "synthetic" or cfg.data.tokenizer_path else None
-    data = data_iterator(cfg, gb, tok)
+    data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
+    if cfg.eval.eval_dataset_path:
+        check_eval_data(cfg, tok)
     ckpt = last = None
     if cfg.checkpoint.enable_checkpointing:
         ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.checkpoint.max_checkpoints_to_keep,
@@ -147,7 +149,6 @@ def _report_sft_fitting(cfg, data) -> None:
 
 
 def _run(cfg) -> int:
-    C.validate(cfg, num_devices=len(jax.devices()))
     out = train(cfg)
     h = out["history"]
     if h:
@@ -157,7 +158,7 @@ def _run(cfg) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run_tool("train", _run, argv, __doc__)
+    return run_tool("train", _run, argv, __doc__, local_devices=True)
 
 
 if __name__ == "__main__":
