@@ -14,7 +14,6 @@ too. No Python file of the model directory is ever imported or executed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,6 +26,19 @@ import numpy as np
 
 from conversion import hf_files, param_map, quant
 from conversion.errors import ConversionError
+
+
+# The text models' ``model_type``s this converter reads (K3 nests a kimi_linear-style text_config).
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "kimi_k2", "deepseek_v3")
+
+
+def check_model_type(hf: dict, where: str) -> None:
+    """A config.json of another architecture is refused by name before any tensor is read."""
+    c = hf.get("text_config", hf)
+    mt = c.get("model_type")
+    if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"{where}: model_type {mt!r} is not supported; hf_to_k3jax converts "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (and K3's kimi_k3 with a kimi_linear text_config)")
 
 
 def model_overrides_from_hf(hf: dict) -> dict:
@@ -378,6 +390,7 @@ def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dens
         raise ConversionError(f"experts_format={experts_format!r}: choose dense or mxfp4")
     t0 = time.perf_counter()
     hf = read_config(hf_dir)
+    check_model_type(hf, os.path.join(hf_dir, "config.json"))
     reader = CheckpointReader(hf_dir)  # validates headers, index and quantization_config
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -493,7 +506,8 @@ def _packed_tree(reader, packed, flat):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3jax.errors import ArgumentParser, guard
+    ap = ArgumentParser(prog="python -m conversion.hf_to_k3jax", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output directory: params/, extra/ (+ model.yml)")
     ap.add_argument("--model_name", default=None, help="check config.json against this model config")
@@ -501,10 +515,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (not loadable by the model yet)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = ap.parse_args(argv)
-    from k3jax.errors import guard
 
     def run():
+        a = ap.parse_args(argv)
         convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet)
     return guard(run)
 

@@ -144,6 +144,9 @@ def _flat(tree):
 def _check_compatible(meta, abstract, where):
     want = _flat(abstract)
     have = _flat(meta)
+    if not have:
+        raise CheckpointError(f"{where}: holds no parameter arrays; not a k3jax checkpoint (expected a converter "
+                              f"output or a training checkpoint's <step>/params)")
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
     if missing or extra:

@@ -227,11 +227,11 @@ class ArrayRecordSource(RandomAccessDataSource):
         for path in self.files:
             try:
                 reader = ArrayRecordReader(path)
+                self._starts.append(self._starts[-1] + reader.num_records())
+                reader.close()
             except Exception as e:  # noqa: BLE001 - the C++ reader raises RuntimeError/ValueError
                 raise DataError(f"{path}: not a readable ArrayRecord file ({str(e).splitlines()[0]}); "
                                 f"check dataset_type") from None
-            self._starts.append(self._starts[-1] + reader.num_records())
-            reader.close()
         self._source = ArrayRecordDataSource(self.files)
 
     def __len__(self) -> int:
