@@ -89,6 +89,10 @@ def train(cfg, *, on_step=None) -> dict:
                                     f"is kept (set nan_policy=skip to skip such steps)")
             # tokens processed, padding included; the time covers the batch's input and the step
             rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)))
+            stats = getattr(data, "stats", None)
+            if stats is not None:   # records read so far (the reader runs a little ahead of the steps)
+                rec.update(records_read=stats.records, bad_records=stats.bad_utf8 + stats.bad_json + stats.bad_record,
+                           empty_records=stats.empty)
             if evaluator and evaluator.due(step + 1):
                 rec.update(evaluator.run(state))
             history.append(rec)

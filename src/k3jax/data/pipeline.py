@@ -219,7 +219,7 @@ class ParseDocument:
             logger.warning("skipping bad record at %s: %s", where, why)
         if bad == MAX_WARNINGS:
             logger.warning("further bad records are counted (bad_records in the metrics), not logged")
-        if records >= max(self.min_records, 1) and bad > self.max_bad_fraction * records:
+        if records >= max(self.min_records, MIN_RECORDS_FOR_FRACTION) and bad > self.max_bad_fraction * records:
             raise DataError(f"{bad} of the {records} records read are malformed, more than bad_data_max_fraction="
                             f"{self.max_bad_fraction} (the last at {where}: {why}); fix the data, or check "
                             f"text_key={self.text_key!r} and dataset_type={self.dataset_type}")
@@ -227,6 +227,8 @@ class ParseDocument:
 
 # Bad records logged one by one before the policy only counts them.
 MAX_WARNINGS = 5
+# Records read before the bad fraction can stop a run (when bad_data_check_records is smaller).
+MIN_RECORDS_FOR_FRACTION = 10
 
 
 def check_records(ds, parse: ParseDocument, n: int, max_bad_fraction: float, what: str) -> None:
