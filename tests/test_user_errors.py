@@ -146,6 +146,10 @@ CASES = [
     ("params-path-missing", "k3jax.train", ["load_parameters_path={tmp}/nothere", *TRAIN], "nothere"),
     ("params-path-empty", "k3jax.decode", [*DECODE, "load_parameters_path={noparams}"], "noparams"),
     ("params-not-orbax", "k3jax.decode", [*DECODE, "load_parameters_path={garbage}"], "garbage/params"),
+    ("no-tokenizer-decode", "k3jax.decode", ["load_parameters_path={noparams}"], "tokenizer_path"),
+    ("no-tokenizer-serve", "k3jax.serve", ["load_parameters_path={noparams}"], "tokenizer_path"),
+    ("no-tokenizer-random-weights", "k3jax.decode", [], "no tokenizer"),
+    ("no-tokenizer-jsonl", "k3jax.train", ["dataset_type=jsonl", "dataset_path={good}", *TRAIN], "tokenizer_path"),
     # --- decode and sampling ------------------------------------------------------------------------
     ("empty-prompt", "k3jax.decode", [*DECODE, "prompt="], "prompt"),
     ("prompt-too-long", "k3jax.decode", [*DECODE, "prompt=" + "word " * 40, "max_prefill_length=8"],

@@ -24,7 +24,7 @@ from k3jax.console import Console, timed_compile
 from k3jax.evaluate import Evaluator, check_eval_data
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
-from k3jax.runtime import load_tokenizer
+from k3jax.runtime import record_tokenizer
 from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, restore_state
 from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
@@ -42,7 +42,7 @@ def train(cfg, *, on_step=None) -> dict:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
-    tok = load_tokenizer(cfg) if cfg.data.dataset_type != "synthetic" or cfg.data.tokenizer_path else None
+    tok = record_tokenizer(cfg, run_dir)   # <run>/tokenizer: what decode and serve read with the checkpoints
     data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
     if cfg.eval.eval_dataset_path:
         check_eval_data(cfg, tok)
