@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from helpers import REPO, tool_env
 
@@ -68,6 +69,11 @@ def files(tmp_path_factory):
     np.savez(d / "notokens.npz", logits=np.zeros((1, 4, 512), np.float32))
     np.savez(d / "vocab.npz", tokens=np.zeros((1, 4), np.int32), logits=np.zeros((1, 4, 100), np.float32))
     f["notokens"], f["vocab"] = str(d / "notokens.npz"), str(d / "vocab.npz")
+    # A run directory with a checkpoint, written by the default config.
+    from k3jax import config as C
+    run = d / "runs" / "r"
+    (run / "checkpoints" / "5").mkdir(parents=True)
+    (run / "config.yml").write_text(yaml.safe_dump(C.load(C.REPO_CONFIGS / "base.yml", []).flat(), sort_keys=False))
     f["demo_tok"] = str(DEMO_TOK)
     f["kimi"] = str(KIMI)
     return f
@@ -150,6 +156,10 @@ CASES = [
     ("no-tokenizer-serve", "k3jax.serve", ["load_parameters_path={noparams}"], "tokenizer_path"),
     ("no-tokenizer-random-weights", "k3jax.decode", [], "no tokenizer"),
     ("no-tokenizer-jsonl", "k3jax.train", ["dataset_type=jsonl", "dataset_path={good}", *TRAIN], "tokenizer_path"),
+    ("resume-other-dtype", "k3jax.train", ["base_output_directory={tmp}/runs", "run_name=r", "weight_dtype=bfloat16",
+                                           *TRAIN], "weight_dtype: checkpoint 'float32' vs now 'bfloat16'"),
+    ("resume-other-model", "k3jax.train", ["base_output_directory={tmp}/runs", "run_name=r", "model_name=tiny",
+                                           *TRAIN], "hidden_size"),
     # --- decode and sampling ------------------------------------------------------------------------
     ("empty-prompt", "k3jax.decode", [*DECODE, "prompt="], "prompt"),
     ("prompt-too-long", "k3jax.decode", [*DECODE, "prompt=" + "word " * 40, "max_prefill_length=8"],
@@ -194,7 +204,7 @@ def _check(rc, err, fragment):
 def test_one_mistake(mod, argv, fragment, files, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     args = [a.format(**files) for a in argv]
-    if mod.startswith("k3jax.") and mod != "k3jax.config":
+    if mod.startswith("k3jax.") and mod != "k3jax.config" and not any("base_output_directory" in a for a in args):
         args.append(f"base_output_directory={tmp_path}")
     rc = importlib.import_module(mod).main(args)
     err = capsys.readouterr().err

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -170,7 +171,20 @@ def load_params(path: str | Path, abstract_params):
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
         raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
     _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
+    _note_cast(getattr(meta, "item_metadata", meta), abstract_params, d)
     return ckptr.restore(d, abstract_params)
+
+
+def _note_cast(meta, abstract, where) -> None:
+    """One notice when the stored parameter dtypes differ from the model's weight dtype (e.g.
+    bfloat16 weights fine-tuned in float32): restore casts them, which is normal but worth saying."""
+    want, have = _flat(abstract), _flat(meta)
+    pairs = sorted({(str(getattr(have[k], "dtype", "?")), str(a.dtype)) for k, a in want.items()
+                    if str(getattr(have[k], "dtype", a.dtype)) != str(a.dtype)})
+    if pairs:
+        stored = ", ".join(sorted({p[0] for p in pairs}))
+        target = ", ".join(sorted({p[1] for p in pairs}))
+        print(f"note: {where} holds {stored} parameters; cast to weight_dtype={target}", file=sys.stderr)
 
 
 def load_extra(path: str | Path, abstract_rest):

@@ -41,6 +41,7 @@ def train(cfg, *, on_step=None) -> dict:
     gb = check_batch(cfg, n_dev)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_resumable(cfg, run_dir)
     (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
     tok = record_tokenizer(cfg, run_dir)   # <run>/tokenizer: what decode and serve read with the checkpoints
     data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
@@ -113,6 +114,30 @@ def train(cfg, *, on_step=None) -> dict:
         writer.close()
     _report_sft_fitting(cfg, data)
     return {"history": history, "state": state, "run_dir": run_dir}
+
+
+# Keys beyond the model section that decide the shapes or dtypes of a full training state.
+STATE_KEYS = ("weight_dtype", "mu_dtype", "opt_type", "freeze")
+
+
+def check_resumable(cfg, run_dir) -> None:
+    """A run directory with checkpoints resumes its full state (parameters, optimizer moments,
+    router biases), which only fits the configuration that wrote it: a different model or state
+    dtype is an error naming the keys, before anything is restored (or the saved config.yml of
+    the run overwritten)."""
+    saved_file = run_dir / "config.yml"
+    ckpts = run_dir / "checkpoints"
+    if not saved_file.is_file() or not ckpts.is_dir() or not any(d.name.isdigit() for d in ckpts.iterdir()):
+        return
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    now = cfg.flat()
+    keys = [k for k in C.KEYS if C.KEYS[k][0] == "model"] + list(STATE_KEYS)
+    diff = [k for k in keys if k in saved and saved[k] != now[k]]
+    if diff:
+        shown = "; ".join(f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in diff[:6])
+        raise C.ConfigError(f"{run_dir} holds checkpoints of another configuration ({len(diff)} keys differ: {shown}); "
+                            f"resume with the same settings, or use a new run_name with "
+                            f"load_parameters_path={run_dir} to start from its weights")
 
 
 # ---- the parts of the loop an operator sees (k3jax.console) ---------------------------------------
