@@ -348,19 +348,41 @@ class Progress:
             print(file=sys.stderr)
 
 
-def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str):
+def checkpoint_dtype(hf: dict) -> str:
+    """The parameter dtype a checkpoint was saved in (``dtype`` / ``torch_dtype`` of config.json):
+    float32 stays float32; everything else, quantized experts (MXFP4, int4, FP8) included, is
+    converted to bfloat16."""
+    if hf.get("quantization_config"):
+        return "bfloat16"
+    return "float32" if str(hf.get("dtype") or hf.get("torch_dtype")) == "float32" else "bfloat16"
+
+
+def router_weights_from_biased(hf: dict, layout: str) -> bool:
+    """Kimi Linear's remote code gathers the top-k weights from the biased scores; native
+    transformers (and its default save_pretrained layout, remote_hf) from the unbiased ones. The
+    checkpoint's layout says which code it was written for."""
+    return hf.get("text_config", hf).get("model_type", "kimi_linear") == "kimi_linear" and layout == "remote"
+
+
+def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layout: str = "native"):
     """The run config: ``model_name``'s, refused when config.json disagrees; else derived from
-    config.json and written to ``<out>/model.yml``."""
+    config.json and written to ``<out>/model.yml``. ``router_weights_from_biased`` comes from the
+    checkpoint's layout either way."""
     import yaml
 
     from k3jax import config as C
     derived = model_overrides_from_hf(hf)
+    derived["router_weights_from_biased"] = router_weights_from_biased(hf, layout)
     if not model_name:
         (out / "model.yml").write_text(yaml.safe_dump(derived, sort_keys=False))
         return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
+    if cfg.model.router_weights_from_biased != derived["router_weights_from_biased"]:
+        print(f"note: router_weights_from_biased={derived['router_weights_from_biased']} for this {layout}-layout "
+              f"checkpoint (model_name={model_name} says {cfg.model.router_weights_from_biased}); pass it to the "
+              f"tools that load {out}", file=sys.stderr)
     bad = {k: (v, getattr(cfg.model, k)) for k, v in derived.items()
-           if k not in ("mla_every", "mla_extra_layers") and getattr(cfg.model, k) != v}
+           if k not in ("mla_every", "mla_extra_layers", "router_weights_from_biased") and getattr(cfg.model, k) != v}
     p, n = derived["mla_every"], derived["num_layers"]
     mla = sorted({l for l in range(n) if p and l % p == p - 1} | set(derived["mla_extra_layers"]))
     if mla != sorted(cfg.model.mla_layer_set):
@@ -372,7 +394,7 @@ def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str):
     return cfg
 
 
-def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dense", progress=True) -> dict:
+def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", progress=True) -> dict:
     """Stream a Hugging Face checkpoint into ``<out>/{params,extra}`` (+ ``model.yml``); see module doc.
 
     ``experts_format="mxfp4"`` keeps MXFP4 routed experts packed: they go to ``<out>/experts_mxfp4``
@@ -394,11 +416,15 @@ def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dens
     reader = CheckpointReader(hf_dir)  # validates headers, index and quantization_config
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = resolve_config(hf, out, model_name, dtype)
+    layout = param_map.detect_layout(reader.keys())
+    if dtype is None:
+        dtype = checkpoint_dtype(hf)
+        if progress:
+            print(f"parameters in {dtype} (the checkpoint's dtype; --dtype changes it)", file=sys.stderr)
+    cfg = resolve_config(hf, out, model_name, dtype, layout)
     mcfg = cfg.model
     model = nnx.eval_shape(lambda: M.build(cfg, 0))
     _, params, extra = nnx.split(model, nnx.Param, RouterBias)
-    layout = param_map.detect_layout(reader.keys())
     steps = list(conversion_steps(model, mcfg, layout))
     skipped = validate_names(reader, steps)
     packed = {}
@@ -511,7 +537,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output directory: params/, extra/ (+ model.yml)")
     ap.add_argument("--model_name", default=None, help="check config.json against this model config")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="parameter dtype (default: the checkpoint's own, dtype/torch_dtype in config.json: float32 "
+                         "stays float32, anything else and quantized experts become bfloat16)")
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (not loadable by the model yet)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
