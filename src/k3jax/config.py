@@ -190,7 +190,7 @@ class TrainConfig:
 class DataConfig:
     dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft"))
     dataset_path: Optional[str] = _f(None, "glob of data files (not needed for synthetic)")
-    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = a tiny built-in one")
+    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = the one recorded with load_parameters_path (<run>/tokenizer, or beside a converter output's params); a training run records its own there")
     data_shuffle: bool = _f(True, "shuffle records")
     data_seed: int = _f(42, "data order seed")
     bad_data: str = _f("skip", "malformed records: skip (counted, warned) | fatal", ("skip", "fatal"))
