@@ -14,7 +14,6 @@ too. No Python file of the model directory is ever imported or executed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,6 +26,19 @@ import numpy as np
 
 from conversion import hf_files, param_map, quant
 from conversion.errors import ConversionError
+
+
+# The text models' ``model_type``s this converter reads (K3 nests a kimi_linear-style text_config).
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "kimi_k2", "deepseek_v3")
+
+
+def check_model_type(hf: dict, where: str) -> None:
+    """A config.json of another architecture is refused by name before any tensor is read."""
+    c = hf.get("text_config", hf)
+    mt = c.get("model_type")
+    if mt is not None and mt not in SUPPORTED_MODEL_TYPES:
+        raise ConversionError(f"{where}: model_type {mt!r} is not supported; hf_to_k3jax converts "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (and K3's kimi_k3 with a kimi_linear text_config)")
 
 
 def model_overrides_from_hf(hf: dict) -> dict:
@@ -336,19 +348,41 @@ class Progress:
             print(file=sys.stderr)
 
 
-def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str):
+def checkpoint_dtype(hf: dict) -> str:
+    """The parameter dtype a checkpoint was saved in (``dtype`` / ``torch_dtype`` of config.json):
+    float32 stays float32; everything else, quantized experts (MXFP4, int4, FP8) included, is
+    converted to bfloat16."""
+    if hf.get("quantization_config"):
+        return "bfloat16"
+    return "float32" if str(hf.get("dtype") or hf.get("torch_dtype")) == "float32" else "bfloat16"
+
+
+def router_weights_from_biased(hf: dict, layout: str) -> bool:
+    """Kimi Linear's remote code gathers the top-k weights from the biased scores; native
+    transformers (and its default save_pretrained layout, remote_hf) from the unbiased ones. The
+    checkpoint's layout says which code it was written for."""
+    return hf.get("text_config", hf).get("model_type", "kimi_linear") == "kimi_linear" and layout == "remote"
+
+
+def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layout: str = "native"):
     """The run config: ``model_name``'s, refused when config.json disagrees; else derived from
-    config.json and written to ``<out>/model.yml``."""
+    config.json and written to ``<out>/model.yml``. ``router_weights_from_biased`` comes from the
+    checkpoint's layout either way."""
     import yaml
 
     from k3jax import config as C
     derived = model_overrides_from_hf(hf)
+    derived["router_weights_from_biased"] = router_weights_from_biased(hf, layout)
     if not model_name:
         (out / "model.yml").write_text(yaml.safe_dump(derived, sort_keys=False))
         return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
+    if cfg.model.router_weights_from_biased != derived["router_weights_from_biased"]:
+        print(f"note: router_weights_from_biased={derived['router_weights_from_biased']} for this {layout}-layout "
+              f"checkpoint (model_name={model_name} says {cfg.model.router_weights_from_biased}); pass it to the "
+              f"tools that load {out}", file=sys.stderr)
     bad = {k: (v, getattr(cfg.model, k)) for k, v in derived.items()
-           if k not in ("mla_every", "mla_extra_layers") and getattr(cfg.model, k) != v}
+           if k not in ("mla_every", "mla_extra_layers", "router_weights_from_biased") and getattr(cfg.model, k) != v}
     p, n = derived["mla_every"], derived["num_layers"]
     mla = sorted({l for l in range(n) if p and l % p == p - 1} | set(derived["mla_extra_layers"]))
     if mla != sorted(cfg.model.mla_layer_set):
@@ -360,7 +394,7 @@ def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str):
     return cfg
 
 
-def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dense", progress=True) -> dict:
+def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", progress=True) -> dict:
     """Stream a Hugging Face checkpoint into ``<out>/{params,extra}`` (+ ``model.yml``); see module doc.
 
     ``experts_format="mxfp4"`` keeps MXFP4 routed experts packed: they go to ``<out>/experts_mxfp4``
@@ -378,14 +412,19 @@ def convert(hf_dir, out, model_name=None, dtype="bfloat16", experts_format="dens
         raise ConversionError(f"experts_format={experts_format!r}: choose dense or mxfp4")
     t0 = time.perf_counter()
     hf = read_config(hf_dir)
+    check_model_type(hf, os.path.join(hf_dir, "config.json"))
     reader = CheckpointReader(hf_dir)  # validates headers, index and quantization_config
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = resolve_config(hf, out, model_name, dtype)
+    layout = param_map.detect_layout(reader.keys())
+    if dtype is None:
+        dtype = checkpoint_dtype(hf)
+        if progress:
+            print(f"parameters in {dtype} (the checkpoint's dtype; --dtype changes it)", file=sys.stderr)
+    cfg = resolve_config(hf, out, model_name, dtype, layout)
     mcfg = cfg.model
     model = nnx.eval_shape(lambda: M.build(cfg, 0))
     _, params, extra = nnx.split(model, nnx.Param, RouterBias)
-    layout = param_map.detect_layout(reader.keys())
     steps = list(conversion_steps(model, mcfg, layout))
     skipped = validate_names(reader, steps)
     packed = {}
@@ -493,18 +532,20 @@ def _packed_tree(reader, packed, flat):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3jax.errors import ArgumentParser, guard
+    ap = ArgumentParser(prog="python -m conversion.hf_to_k3jax", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output directory: params/, extra/ (+ model.yml)")
     ap.add_argument("--model_name", default=None, help="check config.json against this model config")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="parameter dtype (default: the checkpoint's own, dtype/torch_dtype in config.json: float32 "
+                         "stays float32, anything else and quantized experts become bfloat16)")
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (load with experts_format=mxfp4)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = ap.parse_args(argv)
-    from k3jax.errors import guard
 
     def run():
+        a = ap.parse_args(argv)
         convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet)
     return guard(run)
 

@@ -23,7 +23,6 @@ throughout. Leaves are read slice by slice straight from the orbax zarr arrays w
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -246,7 +245,8 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from k3jax.errors import ArgumentParser, guard
+    ap = ArgumentParser(prog="python -m conversion.k3jax_to_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="converter output, run directory or checkpoint step")
     ap.add_argument("--out", required=True, help="empty output directory")
     ap.add_argument("--model_name", default=None, help="model config; default <ckpt>/model.yml")
@@ -256,10 +256,9 @@ def main(argv=None) -> int:
                     help="copy the tokenizer, chat template and generation config from here; default: found "
                          "beside a converter output or through the training run's config.yml")
     ap.add_argument("--quiet", action="store_true")
-    a = ap.parse_args(argv)
-    from k3jax.errors import guard
 
     def run():
+        a = ap.parse_args(argv)
         export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet,
                tokenizer_dir=a.tokenizer_dir)
     return guard(run)

@@ -6,7 +6,10 @@ to_hf)``: ``our name`` is the parameter's dotted path inside a k3jax ``DecoderLa
 
 - ``native``: transformers' ``kimi_linear`` (fused ``conv1d``, ``forget_gate.*``, ``mlp.experts.gate_up_proj``).
 - ``remote``: the Kimi remote-code / released K3 layout (``{q,k,v}_conv1d``, ``block_sparse_moe``,
-  per-expert ``w1/w2/w3``, K3's ``routed_expert_*`` and AttnRes ``*_res_{proj,norm}``, ``A_log`` [128]).
+  per-expert ``w1/w2/w3``, K3's ``routed_expert_*`` and AttnRes ``*_res_{proj,norm}``, ``A_log`` [128]);
+  ``remote_prefixed`` is K3's, under ``language_model.``; ``remote_hf`` is what transformers 5.x
+  ``save_pretrained`` writes by default (its "original format"): the remote names, except that the
+  dense MLP of the first layers is also renamed to ``block_sparse_moe.{gate,up,down}_proj``.
 
 PyTorch linears are [out, in]; ours are [in, out], hence the transposes. Rules whose HF tensor is
 fused from several of ours (native ``conv1d``, ``experts.gate_up_proj``) have ``to_hf = None``; export
@@ -127,13 +130,13 @@ def layer_rules(m, l: int, layout: str = "native"):
               lin("kv_b_proj", "kv_b_proj.weight"), lin("o_proj", "o_proj.weight")]
         if m.mla_use_output_gate:
             r.append(lin("g_proj", "g_proj.weight"))
-    r += ffn_rules(m, l, pre, remote)
+    r += ffn_rules(m, l, pre, remote, dense="block_sparse_moe." if layout == "remote_hf" else "mlp.")
     return r
 
 
-def ffn_rules(m, l, pre, remote):
+def ffn_rules(m, l, pre, remote, dense="mlp."):
     if m.ffn(l) == "dense":
-        return [(f"mlp.{n}", [pre + f"mlp.{n}.weight"], _t, _t) for n in ("gate_proj", "up_proj", "down_proj")]
+        return [(f"mlp.{n}", [pre + f"{dense}{n}.weight"], _t, _t) for n in ("gate_proj", "up_proj", "down_proj")]
     b = pre + ("block_sparse_moe." if remote else "mlp.")
     e, f = m.num_experts, m.moe_intermediate_size
     r = [("mlp.router", [b + "gate.weight"], _t, _t),
@@ -160,7 +163,14 @@ def ffn_rules(m, l, pre, remote):
 
 
 def detect_layout(names) -> str:
+    """native (transformers' own names), remote (the released remote-code names), remote_hf (what
+    transformers' default ``save_pretrained`` writes: the remote names, but the dense MLP of the
+    first layers also under ``block_sparse_moe.``) or remote_prefixed (K3: ``language_model.``)."""
     names = set(names)
     prefixed = any(n.startswith("language_model.") for n in names)
     remote = any(".block_sparse_moe." in n or "_conv1d.weight" in n for n in names)
-    return "remote_prefixed" if prefixed else ("remote" if remote else "native")
+    if prefixed:
+        return "remote_prefixed"
+    if remote and any(n.endswith(".block_sparse_moe.gate_proj.weight") for n in names):
+        return "remote_hf"
+    return "remote" if remote else "native"

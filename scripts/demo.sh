@@ -17,13 +17,15 @@ OUT=${OUT:-runs}
 STEPS=${STEPS:-400}
 PROMPT=${PROMPT:-Alice was}
 read -r -a EXTRA <<< "${EXTRA:-}"
-BOOK=(vocab_size=1024 tokenizer_path=data/demo/tokenizer base_output_directory="$OUT" "${EXTRA[@]}")
+BOOK=(vocab_size=1024 base_output_directory="$OUT" "${EXTRA[@]}")
 start=$(date +%s)
 rm -rf "${OUT:?}/$RUN"
-$PY -m k3jax.train configs/base.yml run_name="$RUN" steps="$STEPS" "${BOOK[@]}" dataset_type=jsonl \
+$PY -m k3jax.train configs/base.yml run_name="$RUN" steps="$STEPS" "${BOOK[@]}" tokenizer_path=data/demo/tokenizer \
+    dataset_type=jsonl \
     dataset_path=data/demo/alice.jsonl per_device_batch_size=8 checkpoint_period=200 log_period=50
 # Sampled (temperature 0.7 among the 20 likeliest tokens, fixed seed): greedy decoding of a model
-# this small repeats one phrase.
+# this small repeats one phrase. No tokenizer_path: decode reads the tokenizer the run recorded in
+# OUT/RUN/tokenizer, as for any checkpoint.
 $PY -m k3jax.decode configs/base.yml "${BOOK[@]}" load_parameters_path="$OUT/$RUN/checkpoints/$STEPS" \
     prompt="$PROMPT" max_new_tokens=48 sampling=sample temperature=0.7 top_k=20 stream=false \
     | tee "$OUT/$RUN/sample.txt"

@@ -81,6 +81,7 @@ def test_converter_output_carries_the_tokenizer(journey):
 def test_sft_logs_evaluation_and_the_operator_console(journey):
     recs = [json.loads(l) for l in (journey["run"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert all(r["bad_records"] == 0 and r["records_read"] > 0 for r in recs)   # the bad-data counters
     evals = {r["step"]: r for r in recs if "eval_loss" in r}
     assert sorted(evals) == [5, 10]
     for r in evals.values():

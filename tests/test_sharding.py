@@ -33,7 +33,8 @@ def test_mesh_shapes(args, shape):
 @pytest.mark.parametrize("args,fragment", [
     (["ici_fsdp_parallelism=3"], "mesh data=1 x fsdp=3"),
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "only one"),
-    (["ici_expert_parallelism=3"], "does not divide the 8 devices"),
+    (["ici_data_parallelism=3"], "does not divide the 8 devices"),
+    (["ici_expert_parallelism=3"], "num_experts=8 is not divisible by expert parallelism 3"),
     (["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "ici_data_parallelism=1"],
      "num_experts=8 is not divisible" if False else None),
     (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "num_experts=6", "num_experts_per_token=2"],

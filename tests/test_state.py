@@ -63,3 +63,25 @@ def test_restore_needs_router_biases(tiny, tmp_path, capsys):
     assert all(not np.any(x) for x in jax.tree.leaves(got["rest"]))
     for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_load_parameters_casts_to_weight_dtype_with_one_notice(tmp_path, capsys):
+    """bfloat16 weights read into a float32 model: cast, and said once with both dtypes."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from k3jax.checkpoint import load_params
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "conv" / "params", {"a": jnp.full((4, 4), 1.5, jnp.bfloat16),
+                                               "b": jnp.full((3,), 2.0, jnp.bfloat16)})
+    ckptr.wait_until_finished()
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"a": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=dev),
+              "b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=dev)}
+    got = load_params(tmp_path / "conv", target)
+    assert got["a"].dtype == jnp.float32 and float(got["a"][0, 0]) == 1.5 and float(got["b"][0]) == 2.0
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "holds bfloat16 parameters; cast to weight_dtype=float32" in err, err
+    load_params(tmp_path / "conv", jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16,
+                                                                               sharding=dev), target))
+    assert "note:" not in capsys.readouterr().err      # same dtype: nothing to say

@@ -45,6 +45,9 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
 
 
 def test_metrics_checkpoint_and_decode(tiny_run):
+    # The run recorded its tokenizer (synthetic data: the built-in tiny one); decode reads it from there.
+    assert (tiny_run.run / "tokenizer" / "tiktoken.model").is_file()
+    assert not any(a.startswith("tokenizer_path=") for a in tiny_run.args)
     rec = json.loads((tiny_run.run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("step", "loss", "tokens_per_s", "tflops_per_device", "mfu", "grad_norm", "learning_rate",
                 "expert_load_max_over_mean"):
@@ -64,7 +67,9 @@ def test_metrics_checkpoint_and_decode(tiny_run):
 
 @pytest.mark.parametrize("args,fragment", [
     (["prompt="], "prompt is empty"),
-    (["prompt=" + "word " * 200, "max_target_length=16"], "shorten the prompt"),
+    (["prompt=" + "word " * 200, "max_target_length=16", "tokenizer_path=data/demo/tokenizer", "vocab_size=1024"],
+     "shorten the prompt"),
+    (["prompt=hello"], "no tokenizer: set tokenizer_path"),
     (["sampling=beam"], "sampling='beam': must be one of greedy, sample"),
     (["load_parameters_path=/nonexistent/x"], "no such directory"),
 ])

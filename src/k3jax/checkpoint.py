@@ -8,7 +8,11 @@ directory (latest step), a ``checkpoints`` directory or a converter output direc
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -17,6 +21,10 @@ import orbax.checkpoint as ocp
 from k3jax.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+# Subdirectory of a checkpoints directory holding deleted steps until they are removed.
+TRASH = "deleted"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -40,20 +48,52 @@ class Checkpointer:
         self.with_data = with_data
         self.mngr = ocp.CheckpointManager(
             self.directory,
+            # Old steps are renamed into TRASH (atomic) and emptied from there: orbax's own deletion
+            # removes a step's files one by one, and a process killed meanwhile left a listed step
+            # without its params (found by tests/test_checkpoint_kills.py).
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                                 create=True),
+                                                 create=True, todelete_subdir=TRASH),
             item_handlers=handlers)
+
+    def _empty_trash(self) -> None:
+        """Remove the steps orbax renamed into TRASH (each gone whole or not at all from the
+        listing, so an interrupted removal here cannot tear a checkpoint)."""
+        trash = self.directory / TRASH
+        if trash.is_dir():
+            for d in trash.iterdir():
+                shutil.rmtree(d, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
     def save(self, step: int, params, opt_state, extra, data_iter=None, *, force: bool = False) -> bool:
+        """Start saving ``step`` (in the background when async); an earlier save that failed for a
+        reason the user can fix (a full disk) raises CheckpointError here or in ``wait``/``close``."""
         import grain
         args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state),
                 "extra": ocp.args.StandardSave(extra)}
         if self.with_data and data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
-        return self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+        self._empty_trash()
+        with self._reporting(step):
+            return self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+
+    @contextlib.contextmanager
+    def _reporting(self, step=None):
+        """A save that fails for lack of space (or permission) becomes one CheckpointError naming
+        the directory; orbax wraps the OSError of its writer threads, so its cause chain is searched.
+        The checkpoints committed before it stay readable (a step is committed by a rename)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - orbax re-raises writer errors in several wrappers
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            what = f"a checkpoint save (reported at step {step})" if step is not None else "a checkpoint save"
+            hint = ("free space there or lower max_checkpoints_to_keep" if cause.errno == errno.ENOSPC
+                    else "check the directory's permissions")
+            raise CheckpointError(f"{what} failed to write to {self.directory}: {cause.strerror or cause}; "
+                                  f"{hint} (the checkpoints saved before it are kept)") from e
 
     def restore(self, step: int, abstract_params, abstract_opt_state, abstract_extra, data_iter=None):
         """Restore onto the shardings carried by the abstract targets (any mesh shape)."""
@@ -74,11 +114,32 @@ class Checkpointer:
         return self.mngr.is_saving_in_progress()
 
     def wait(self):
-        self.mngr.wait_until_finished()
+        with self._reporting():
+            self.mngr.wait_until_finished()
 
     def close(self):
-        self.mngr.wait_until_finished()
+        try:
+            with self._reporting():
+                self.mngr.wait_until_finished()
+        except CheckpointError:
+            with contextlib.suppress(Exception):   # the failed save is reported, not its clean-up
+                self.mngr.close()
+            raise
         self.mngr.close()
+        self._empty_trash()
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError of a full disk / refused write behind ``e`` (its cause or context chain)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+            return e
+        if "No space left on device" in str(e):
+            return OSError(errno.ENOSPC, "No space left on device")
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def resolve_params_dir(path: str | Path) -> Path:
@@ -110,7 +171,20 @@ def load_params(path: str | Path, abstract_params):
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
         raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
     _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
+    _note_cast(getattr(meta, "item_metadata", meta), abstract_params, d)
     return ckptr.restore(d, abstract_params)
+
+
+def _note_cast(meta, abstract, where) -> None:
+    """One notice when the stored parameter dtypes differ from the model's weight dtype (e.g.
+    bfloat16 weights fine-tuned in float32): restore casts them, which is normal but worth saying."""
+    want, have = _flat(abstract), _flat(meta)
+    pairs = sorted({(str(getattr(have[k], "dtype", "?")), str(a.dtype)) for k, a in want.items()
+                    if str(getattr(have[k], "dtype", a.dtype)) != str(a.dtype)})
+    if pairs:
+        stored = ", ".join(sorted({p[0] for p in pairs}))
+        target = ", ".join(sorted({p[1] for p in pairs}))
+        print(f"note: {where} holds {stored} parameters; cast to weight_dtype={target}", file=sys.stderr)
 
 
 def load_extra(path: str | Path, abstract_rest):
@@ -144,6 +218,9 @@ def _flat(tree):
 def _check_compatible(meta, abstract, where):
     want = _flat(abstract)
     have = _flat(meta)
+    if not have:
+        raise CheckpointError(f"{where}: holds no parameter arrays; not a k3jax checkpoint (expected a converter "
+                              f"output or a training checkpoint's <step>/params)")
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
     if missing or extra:

@@ -17,8 +17,12 @@ from k3jax.errors import guard, usage, wants_help
 from k3jax.runtime import prepare
 
 
-def run_tool(tool: str, body: Callable, argv: list[str] | None, doc: str | None = None) -> int:
-    """Entry point of ``python -m k3jax.<tool>``: ``body(cfg)`` returns the exit status (None = 0)."""
+def run_tool(tool: str, body: Callable, argv: list[str] | None, doc: str | None = None, *,
+             local_devices: bool = False) -> int:
+    """Entry point of ``python -m k3jax.<tool>``: ``body(cfg)`` returns the exit status (None = 0).
+    ``local_devices``: the tool runs on this process's devices (train, decode, serve, logit_check,
+    unlike compile and plan), so the config is also checked against them (mesh sizes, a TPU-only
+    kernel on another platform) before the tool reads a file or builds a model."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if wants_help(argv):
         print(usage(tool, doc))
@@ -27,6 +31,10 @@ def run_tool(tool: str, body: Callable, argv: list[str] | None, doc: str | None 
     def go():
         cfg = C.load_from_argv(argv)
         prepare(cfg)
+        if local_devices:
+            import jax
+            devices = jax.devices()
+            C.validate(cfg, num_devices=len(devices), platform=devices[0].platform)
         return body(cfg)
 
     return guard(go)

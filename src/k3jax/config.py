@@ -194,11 +194,13 @@ class TrainConfig:
 class DataConfig:
     dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft"))
     dataset_path: Optional[str] = _f(None, "glob of data files (not needed for synthetic)")
-    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = a tiny built-in one")
+    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = the one recorded with load_parameters_path (<run>/tokenizer, or beside a converter output's params); a training run records its own there")
     data_shuffle: bool = _f(True, "shuffle records")
     data_seed: int = _f(42, "data order seed")
     bad_data: str = _f("skip", "malformed records: skip (counted, warned) | fatal", ("skip", "fatal"))
     text_key: str = _f("text", "JSON/Parquet field holding the text")
+    bad_data_check_records: int = _f(100, "records of each data source read and checked before the model is built (0 = no early check); also the count after which bad_data_max_fraction applies while training")
+    bad_data_max_fraction: float = _f(0.5, "stop when more than this fraction of the records read are malformed (skip policy)")
     # Supervised fine-tuning (dataset_type=sft; see docs/fine-tuning.md)
     sft_format: str = _f("messages", "SFT record layout: messages ({\"messages\": [{role, content}, ...]}) | hellaswag ({ctx, endings, label})", ("messages", "hellaswag"))
     sft_default_system_prompt: bool = _f(True, "SFT: give conversations without a system message Kimi's default one, as the chat template does at inference")
@@ -524,8 +526,9 @@ def override(cfg: Config, values: dict[str, Any]) -> Config:
     return out
 
 
-def validate(cfg: Config, num_devices: int | None = None) -> None:
-    """Consistency checks that need no devices; ``num_devices`` adds the mesh checks."""
+def validate(cfg: Config, num_devices: int | None = None, platform: str | None = None) -> None:
+    """Consistency checks that need no devices; ``num_devices`` adds the mesh checks and
+    ``platform`` (the devices' platform, e.g. "cpu") the kernel-placement ones."""
     m, t, k = cfg.model, cfg.train, cfg.kernel
     positive = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
                 "kda_num_heads": m.kda_num_heads, "kda_head_dim": m.kda_head_dim, "num_attention_heads":
@@ -572,11 +575,42 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"serve_max_queue={sv.serve_max_queue}: must be >= 0")
     if not 0 <= sv.serve_port <= 65535:
         raise ConfigError(f"serve_port={sv.serve_port}: must be a TCP port (0..65535; 0 = any free port)")
+    _validate_decode(cfg.decode)
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
     _validate_eval_and_sft(cfg)
+    _validate_data(cfg.data)
+    _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
     if num_devices is not None:
         mesh_shape(cfg, num_devices)
+    if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
+        raise ConfigError(f"kda_impl=pallas_tpu compiles TPU kernels but the devices here are {platform}; "
+                          f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")
+
+
+def _validate_decode(d) -> None:
+    if not 0 < d.top_p <= 1:
+        raise ConfigError(f"top_p={d.top_p}: must be in (0, 1] (the nucleus probability mass; 1 = off)")
+    if d.temperature < 0:
+        raise ConfigError(f"temperature={d.temperature}: must be >= 0 (0 = greedy)")
+    if d.top_k < 0:
+        raise ConfigError(f"top_k={d.top_k}: must be >= 0 (0 = off)")
+    if d.max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens={d.max_new_tokens}: must be positive")
+    if d.max_prefill_length < 0:
+        raise ConfigError(f"max_prefill_length={d.max_prefill_length}: must be >= 0 (0 = max_target_length)")
+
+
+def _validate_data(d) -> None:
+    if d.dataset_type != "synthetic" and not d.dataset_path:
+        raise ConfigError(f"dataset_type={d.dataset_type} needs dataset_path (a glob of data files), "
+                          f"or set dataset_type=synthetic")
+    if not d.text_key:
+        raise ConfigError("text_key is empty; name the JSON field or Parquet column holding the text")
+    if d.bad_data_check_records < 0:
+        raise ConfigError(f"bad_data_check_records={d.bad_data_check_records}: must be >= 0 (0 = no early check)")
+    if not 0 <= d.bad_data_max_fraction <= 1:
+        raise ConfigError(f"bad_data_max_fraction={d.bad_data_max_fraction}: must be within 0..1")
 
 
 def _validate_eval_and_sft(cfg: Config) -> None:
@@ -595,8 +629,8 @@ def _validate_eval_and_sft(cfg: Config) -> None:
         raise ConfigError(f"num_epoch={d.num_epoch}: must be >= 0 (0 = repeat the data until steps)")
 
 
-def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
-    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
+def _axis_sizes(cfg: Config) -> tuple[dict, dict]:
+    """The configured (ici, dcn) axis sizes, checked (-1 = fill, on one ici axis at most)."""
     m = cfg.mesh
     ici = {a: getattr(m, f"ici_{a}_parallelism") for a in MESH_AXES}
     dcn = {a: getattr(m, f"dcn_{a}_parallelism") for a in MESH_AXES}
@@ -605,6 +639,40 @@ def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict
             if s == 0 or s < -1 or (where == "dcn" and s < 1):
                 raise ConfigError(f"{where}_{a}_parallelism={s}: must be a positive size" +
                                   (" or -1 (fill)" if where == "ici" else ""))
+    fills = [a for a, s in ici.items() if s == -1]
+    if len(fills) > 1:
+        raise ConfigError(f"only one ici_*_parallelism may be -1, got {', '.join(fills)}")
+    return ici, dcn
+
+
+def _mesh_divisibility(cfg: Config, ici: dict, dcn: dict) -> None:
+    """Experts and heads must split evenly over the expert and tensor axes, the sequence into equal
+    context slices; an axis still at -1 (filled from the devices) is checked once the devices are
+    known."""
+    mc = cfg.model
+    if ici["expert"] != -1:
+        ep = ici["expert"] * dcn["expert"]
+        if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
+            raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep} "
+                              f"(ici_expert_parallelism={ici['expert']} x dcn_expert_parallelism={dcn['expert']})")
+    if ici["tensor"] != -1:
+        tp = ici["tensor"] * dcn["tensor"]
+        for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
+            if heads % tp:
+                raise ConfigError(f"{name}={heads} is not divisible by tensor parallelism {tp} "
+                                  f"(ici_tensor_parallelism={ici['tensor']} x dcn_tensor_parallelism={dcn['tensor']})")
+    if ici["context"] != -1:
+        cp = ici["context"] * dcn["context"]
+        per_shard, rem = divmod(cfg.train.max_target_length, cp)
+        if rem or (cp > 1 and per_shard < mc.kda_conv_size - 1):
+            raise ConfigError(f"max_target_length={cfg.train.max_target_length} must split into {cp} context slices "
+                              f"of equal length >= {mc.kda_conv_size - 1} (kda_conv_size - 1); change it or "
+                              f"ici_/dcn_context_parallelism")
+
+
+def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
+    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
+    ici, dcn = _axis_sizes(cfg)
     dcn_prod = math.prod(dcn.values())
     if dcn_prod != num_slices:
         raise ConfigError(f"dcn parallelism product {dcn_prod} != number of slices {num_slices}")
@@ -612,8 +680,6 @@ def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict
     if rem:
         raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
     fills = [a for a, s in ici.items() if s == -1]
-    if len(fills) > 1:
-        raise ConfigError(f"only one ici_*_parallelism may be -1, got {', '.join(fills)}")
     known = math.prod(s for s in ici.values() if s != -1)
     if fills:
         if per_slice % known:
@@ -624,20 +690,7 @@ def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict
         desc = " x ".join(f"{a}={s}" for a, s in ici.items())
         raise ConfigError(f"mesh {desc} = {math.prod(ici.values())} devices, but {per_slice} are "
                           f"available per slice; set one ici_*_parallelism=-1 or fix the sizes")
-    mc = cfg.model
-    ep = ici["expert"] * dcn["expert"]
-    if mc.first_k_dense < mc.num_layers and mc.num_experts % ep:
-        raise ConfigError(f"num_experts={mc.num_experts} is not divisible by expert parallelism {ep}")
-    cp = ici["context"] * dcn["context"]
-    per_shard, rem = divmod(cfg.train.max_target_length, cp)
-    if rem or (cp > 1 and per_shard < mc.kda_conv_size - 1):
-        raise ConfigError(f"max_target_length={cfg.train.max_target_length} must split into {cp} context slices "
-                          f"of equal length >= {mc.kda_conv_size - 1} (kda_conv_size - 1); change it or "
-                          f"ici_/dcn_context_parallelism")
-    tp = ici["tensor"] * dcn["tensor"]
-    for name, heads in (("kda_num_heads", mc.kda_num_heads), ("num_attention_heads", mc.num_attention_heads)):
-        if heads % tp:
-            raise ConfigError(f"{name}={heads} is not divisible by tensor parallelism {tp}")
+    _mesh_divisibility(cfg, ici, dcn)
     return ici, dcn
 
 

@@ -95,6 +95,8 @@ class Console:
             parts.append(f"experts max/mean {rec['expert_load_max_over_mean']:.2f}")
         if "qk_clipped_heads" in rec:
             parts.append(f"qk-clip {int(rec['qk_clipped_heads'])} heads (max logit {rec['max_logit']:.1f})")
+        if rec.get("bad_records"):
+            parts.append(f"bad records {int(rec['bad_records'])}")
         if "eval_loss" in rec:
             ev = f"eval loss {rec['eval_loss']:.4f} acc {rec['eval_accuracy']:.3f}"
             if "eval_hellaswag_accuracy" in rec:

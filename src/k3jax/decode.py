@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax.cli import run_tool
-from k3jax.runtime import load_tokenizer
+from k3jax.runtime import load_tokenizer, tokenizer_dir
 from k3jax.sampling import sample
 from k3jax.sharding import make_mesh
 from k3jax.state import load_model
@@ -112,7 +112,12 @@ def _run(cfg) -> int:
     tok = load_tokenizer(cfg)
     if d.chat:
         from k3jax.data.chat_template import chat_ids
-        ids = chat_ids(tok, [{"role": "user", "content": d.prompt}])
+        try:
+            ids = chat_ids(tok, [{"role": "user", "content": d.prompt}])
+        except ValueError as e:   # TokenizerError included: no template and no K2 chat tokens
+            raise C.ConfigError(f"chat=true: the tokenizer at {tokenizer_dir(cfg)} cannot render a chat ({e}); "
+                                f"give it the model's chat_template (tokenizer_config.json or chat_template.jinja) "
+                                f"or set chat=false") from None
     else:
         ids = tok.encode(d.prompt, add_bos=True)
     budget = d.max_prefill_length or cfg.train.max_target_length
@@ -147,7 +152,7 @@ def _run(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool("decode", _run, argv, __doc__)
+    return run_tool("decode", _run, argv, __doc__, local_devices=True)
 
 
 if __name__ == "__main__":

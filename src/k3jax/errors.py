@@ -8,6 +8,7 @@ and keeps its traceback. This module imports only the standard library, so every
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
@@ -17,6 +18,18 @@ KEYS_HELP = ("Every key is listed with its default and a comment in configs/base
 
 class UserError(Exception):
     """A problem the user can fix; the message is one actionable line."""
+
+
+class UsageError(UserError):
+    """A command line that does not parse (a missing or unknown option)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are UsageErrors, so ``guard`` reports them on one line and exits 2
+    like every other user error (``--help`` still prints the usage and exits 0)."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
 def guard(fn: Callable[[], int | None]) -> int:

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.console import timed_compile
 from k3jax.loss import chunked_row_losses
 from k3jax.sharding import batch_sharding
-from k3jax.step import global_batch, sft_options
+from k3jax.step import bad_data_options, global_batch, sft_options
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,17 @@ def hellaswag_candidates(cfg, tokenizer) -> tuple[list[dict], np.ndarray, int]:
     return rows, np.asarray(labels), too_long
 
 
+def check_eval_data(cfg, tokenizer) -> None:
+    """Open the evaluation files and check their first records (``bad_data_check_records``) now,
+    before a model is built, so a mistake in them costs seconds rather than a compile."""
+    from k3jax.data import pipeline as P
+    P.make_dataset(dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
+                   seq_len=cfg.train.max_target_length, batch_size=1, seed=cfg.data.data_seed, shuffle=False,
+                   num_epochs=1, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
+                   text_key=cfg.data.text_key, process_index=0, process_count=1, **sft_options(cfg),
+                   **bad_data_options(cfg))
+
+
 class Evaluator:
     """Runs an evaluation every ``eval_interval`` steps and after the last one (see module doc)."""
 
@@ -130,7 +141,7 @@ class Evaluator:
                 dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
                 seq_len=cfg.train.max_target_length, batch_size=self.rows // self.procs, seed=cfg.data.data_seed,
                 shuffle=False, num_epochs=1, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
-                text_key=cfg.data.text_key, **sft_options(cfg))
+                text_key=cfg.data.text_key, **sft_options(cfg), **bad_data_options(cfg))
 
     def due(self, step: int) -> bool:
         return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.train.steps

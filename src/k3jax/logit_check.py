@@ -111,7 +111,7 @@ def _run(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool("logit_check", _run, argv, __doc__)
+    return run_tool("logit_check", _run, argv, __doc__, local_devices=True)
 
 
 if __name__ == "__main__":

@@ -165,7 +165,13 @@ def data_iterator(cfg, global_batch: int, tokenizer=None):
                            seq_len=cfg.train.max_target_length, batch_size=per_host, seed=cfg.data.data_seed,
                            shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
                            vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key,
-                           num_epochs=cfg.data.num_epoch or None, **sft_options(cfg))
+                           num_epochs=cfg.data.num_epoch or None, **sft_options(cfg), **bad_data_options(cfg))
+
+
+def bad_data_options(cfg) -> dict:
+    """The bad-data policy's limits (early check of the first records, largest bad fraction)."""
+    return {"check_records_first": cfg.data.bad_data_check_records,
+            "max_bad_fraction": cfg.data.bad_data_max_fraction}
 
 
 def sft_options(cfg) -> dict:

@@ -21,10 +21,10 @@ from k3jax.checkpoint import Checkpointer
 from k3jax.cli import run_tool
 from k3jax.errors import UserError
 from k3jax.console import Console, timed_compile
-from k3jax.evaluate import Evaluator
+from k3jax.evaluate import Evaluator, check_eval_data
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
-from k3jax.runtime import load_tokenizer
+from k3jax.runtime import record_tokenizer
 from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, restore_state
 from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
@@ -41,9 +41,12 @@ def train(cfg, *, on_step=None) -> dict:
     gb = check_batch(cfg, n_dev)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_resumable(cfg, run_dir)
     (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
-    tok = load_tokenizer(cfg) if cfg.data.dataset_type != "synthetic" or cfg.data.tokenizer_path else None
-    data = data_iterator(cfg, gb, tok)
+    tok = record_tokenizer(cfg, run_dir)   # <run>/tokenizer: what decode and serve read with the checkpoints
+    data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
+    if cfg.eval.eval_dataset_path:
+        check_eval_data(cfg, tok)
     ckpt = last = None
     if cfg.checkpoint.enable_checkpointing:
         ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.checkpoint.max_checkpoints_to_keep,
@@ -87,6 +90,10 @@ def train(cfg, *, on_step=None) -> dict:
                                     f"is kept (set nan_policy=skip to skip such steps)")
             # tokens processed, padding included; the time covers the batch's input and the step
             rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)))
+            stats = getattr(data, "stats", None)
+            if stats is not None:   # records read so far (the reader runs a little ahead of the steps)
+                rec.update(records_read=stats.records, bad_records=stats.bad_utf8 + stats.bad_json + stats.bad_record,
+                           empty_records=stats.empty)
             if evaluator and evaluator.due(step + 1):
                 rec.update(evaluator.run(state))
             history.append(rec)
@@ -107,6 +114,30 @@ def train(cfg, *, on_step=None) -> dict:
         writer.close()
     _report_sft_fitting(cfg, data)
     return {"history": history, "state": state, "run_dir": run_dir}
+
+
+# Keys beyond the model section that decide the shapes or dtypes of a full training state.
+STATE_KEYS = ("weight_dtype", "mu_dtype", "opt_type", "freeze")
+
+
+def check_resumable(cfg, run_dir) -> None:
+    """A run directory with checkpoints resumes its full state (parameters, optimizer moments,
+    router biases), which only fits the configuration that wrote it: a different model or state
+    dtype is an error naming the keys, before anything is restored (or the saved config.yml of
+    the run overwritten)."""
+    saved_file = run_dir / "config.yml"
+    ckpts = run_dir / "checkpoints"
+    if not saved_file.is_file() or not ckpts.is_dir() or not any(d.name.isdigit() for d in ckpts.iterdir()):
+        return
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    now = cfg.flat()
+    keys = [k for k in C.KEYS if C.KEYS[k][0] == "model"] + list(STATE_KEYS)
+    diff = [k for k in keys if k in saved and saved[k] != now[k]]
+    if diff:
+        shown = "; ".join(f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in diff[:6])
+        raise C.ConfigError(f"{run_dir} holds checkpoints of another configuration ({len(diff)} keys differ: {shown}); "
+                            f"resume with the same settings, or use a new run_name with "
+                            f"load_parameters_path={run_dir} to start from its weights")
 
 
 # ---- the parts of the loop an operator sees (k3jax.console) ---------------------------------------
@@ -147,7 +178,6 @@ def _report_sft_fitting(cfg, data) -> None:
 
 
 def _run(cfg) -> int:
-    C.validate(cfg, num_devices=len(jax.devices()))
     out = train(cfg)
     h = out["history"]
     if h:
@@ -157,7 +187,7 @@ def _run(cfg) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run_tool("train", _run, argv, __doc__)
+    return run_tool("train", _run, argv, __doc__, local_devices=True)
 
 
 if __name__ == "__main__":

@@ -129,11 +129,13 @@ class ParseDocument:
     def __init__(self, dataset_type: str, tokenizer: KimiTokenizer | None, *, text_key: str,
                  bad_data: str, stats: PipelineStats, add_eos: bool, sft_format: str,
                  seq_len: int | None = None, sft_overlong: str = "truncate",
-                 sft_default_system: str | None = sft_lib.chat_template.DEFAULT_SYSTEM):
+                 sft_default_system: str | None = sft_lib.chat_template.DEFAULT_SYSTEM,
+                 max_bad_fraction: float = 1.0, min_records: int = 0):
         self.dataset_type, self.tokenizer, self.text_key = dataset_type, tokenizer, text_key
         self.bad_data, self.stats, self.add_eos = bad_data, stats, add_eos
         self.sft_format, self.seq_len, self.sft_overlong = sft_format, seq_len, sft_overlong
         self.sft_default_system = sft_default_system
+        self.max_bad_fraction, self.min_records = max_bad_fraction, min_records
 
     def _sft(self, tokens: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray] | None:
         """A conversation fitted to one row (see `sft.fit_to_length`), counted when changed."""
@@ -199,13 +201,60 @@ class ParseDocument:
             self.stats.add(records=1, **{e.counter: 1})
             if self.bad_data == "fatal":
                 raise DataError(f"{where}: {e}") from None
-            logger.warning("skipping bad record at %s: %s", where, e)
+            self._skipped(where, e)
             return None
         if doc is None:
             self.stats.add(records=1, empty=1)
             return None
         self.stats.add(records=1, docs=1)
         return doc
+
+
+    def _skipped(self, where: str, why: Exception) -> None:
+        """The skip policy: the first MAX_WARNINGS bad records are logged with file:line, later ones
+        only counted (``bad_records`` in the metrics); too large a bad fraction stops the run."""
+        st = self.stats
+        bad, records = st.bad_utf8 + st.bad_json + st.bad_record, st.records
+        if bad <= MAX_WARNINGS:
+            logger.warning("skipping bad record at %s: %s", where, why)
+        if bad == MAX_WARNINGS:
+            logger.warning("further bad records are counted (bad_records in the metrics), not logged")
+        if records >= max(self.min_records, MIN_RECORDS_FOR_FRACTION) and bad > self.max_bad_fraction * records:
+            raise DataError(f"{bad} of the {records} records read are malformed, more than bad_data_max_fraction="
+                            f"{self.max_bad_fraction} (the last at {where}: {why}); fix the data, or check "
+                            f"text_key={self.text_key!r} and dataset_type={self.dataset_type}")
+
+
+# Bad records logged one by one before the policy only counts them.
+MAX_WARNINGS = 5
+# Records read before the bad fraction can stop a run (when bad_data_check_records is smaller).
+MIN_RECORDS_FOR_FRACTION = 10
+
+
+def check_records(ds, parse: ParseDocument, n: int, max_bad_fraction: float, what: str) -> None:
+    """Parse the first ``n`` records of ``ds`` (a map dataset of raw records) at once, before a
+    model is built: a source of which no record gives a document, or of which more than
+    ``max_bad_fraction`` are malformed, is a DataError naming the first bad record's place."""
+    k = min(n, len(ds))
+    bad = docs = 0
+    first = None
+    for i in range(k):
+        payload, where = ds[i]
+        try:
+            docs += parse._document(payload) is not None
+        except _BadRecord as e:
+            if parse.bad_data == "fatal":
+                raise DataError(f"{where}: {e}") from None
+            bad += 1
+            first = first or f"{where}: {e}"
+    hint = f"check text_key={parse.text_key!r}" if parse.dataset_type != "sft" else \
+        f"check sft_format={parse.sft_format}"
+    if docs == 0:
+        raise DataError(f"{first + ': ' if first else ''}none of the first {k} records of {what} gives a document "
+                        f"({bad} malformed, {k - bad} empty); {hint} and dataset_type={parse.dataset_type}")
+    if bad > max_bad_fraction * k:
+        raise DataError(f"{first}: {bad} of the first {k} records of {what} are malformed, more than "
+                        f"bad_data_max_fraction={max_bad_fraction}; {hint}")
 
 
 def split_document(tokens: np.ndarray, weights: np.ndarray,
@@ -309,7 +358,8 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
                  sft_default_system: str | None = sft_lib.chat_template.DEFAULT_SYSTEM,
                  num_packing_bins: int = 16,
                  read_threads: int = 2, prefetch: int = 64,
-                 synthetic_len: tuple[int, int] | None = None
+                 synthetic_len: tuple[int, int] | None = None,
+                 check_records_first: int = 0, max_bad_fraction: float = 1.0
                  ) -> tuple[grain.IterDataset, PipelineStats]:
     """Build the grain `IterDataset` of packed batches and its stats (see `make_pipeline`)."""
     if dataset_type not in DATASET_TYPES:
@@ -336,14 +386,20 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
     src = _source(dataset_type, paths, text_key=text_key, vocab_size=vocab_size, seed=seed,
                   seq_len=seq_len, synthetic_len=synthetic_len)
     ds = grain.MapDataset.source(src)[process_index::process_count]
+    what = paths if dataset_type != "synthetic" else "the synthetic data"
     if len(ds) == 0:
-        raise DataError(f"{src!r} has no record for process {process_index} of {process_count}")
+        raise DataError(f"{what}: no records" + (" (the files are empty)" if len(src) == 0 else
+                                                 f" for process {process_index} of {process_count}"))
+    parse = ParseDocument(dataset_type, tokenizer, text_key=text_key, bad_data=bad_data,
+                          stats=stats, add_eos=add_eos, sft_format=sft_format, seq_len=seq_len,
+                          sft_overlong=sft_overlong, sft_default_system=sft_default_system,
+                          max_bad_fraction=max_bad_fraction, min_records=check_records_first)
+    if dataset_type != "synthetic" and check_records_first:
+        check_records(ds, parse, check_records_first, max_bad_fraction, what)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
-    ds = ds.map(ParseDocument(dataset_type, tokenizer, text_key=text_key, bad_data=bad_data,
-                              stats=stats, add_eos=add_eos, sft_format=sft_format, seq_len=seq_len,
-                              sft_overlong=sft_overlong, sft_default_system=sft_default_system))
+    ds = ds.map(parse)
     it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
                                                  prefetch_buffer_size=prefetch))
     it_ds = grain.experimental.FlatMapIterDataset(it_ds, _SplitDocument(seq_len, stats))

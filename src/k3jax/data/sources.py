@@ -156,7 +156,11 @@ class ParquetSource(RandomAccessDataSource):
         total = 0
         for fi, path in enumerate(self.files):
             self._file_starts.append(total)
-            meta = pq.ParquetFile(path).metadata
+            try:
+                meta = pq.ParquetFile(path).metadata
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a non-Parquet file
+                raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); "
+                                f"check dataset_type") from None
             if column not in meta.schema.names:
                 raise DataError(f"{path}: no column {column!r} (has {meta.schema.names})")
             for g in range(meta.num_row_groups):
@@ -221,9 +225,13 @@ class ArrayRecordSource(RandomAccessDataSource):
         self.files = expand_paths(paths)
         self._starts = [0]
         for path in self.files:
-            reader = ArrayRecordReader(path)
-            self._starts.append(self._starts[-1] + reader.num_records())
-            reader.close()
+            try:
+                reader = ArrayRecordReader(path)
+                self._starts.append(self._starts[-1] + reader.num_records())
+                reader.close()
+            except Exception as e:  # noqa: BLE001 - the C++ reader raises RuntimeError/ValueError
+                raise DataError(f"{path}: not a readable ArrayRecord file ({str(e).splitlines()[0]}); "
+                                f"check dataset_type") from None
         self._source = ArrayRecordDataSource(self.files)
 
     def __len__(self) -> int:

@@ -13,6 +13,7 @@ tiny test tokenizer (`tiny_tokenizer.py`) can put the same names at the top of a
 """
 from __future__ import annotations
 
+import binascii
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -144,9 +145,20 @@ class KimiTokenizer:
             if not os.path.isfile(f):
                 raise TokenizerError(f"{f} not found: a Kimi tokenizer directory needs "
                                      "tiktoken.model and tokenizer_config.json")
-        ranks = load_tiktoken_bpe(model_file)
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
+        try:
+            ranks = load_tiktoken_bpe(model_file)
+        except (ValueError, UnicodeDecodeError, binascii.Error, IndexError) as e:
+            raise TokenizerError(f"{model_file}: not a tiktoken BPE file (lines of '<base64 token> <rank>'): "
+                                 f"{type(e).__name__}: {str(e)[:80]}") from None
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{config_file}: not valid JSON ({str(e)[:80]})") from None
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_file}: expected a JSON object")
+        if not ranks:
+            raise TokenizerError(f"{model_file}: the file has no tokens")
         n_base = len(ranks)
         num_reserved = int(config.get("num_reserved_special_tokens", NUM_RESERVED_DEFAULT))
         named: dict[int, str] = {}

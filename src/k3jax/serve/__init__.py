@@ -75,4 +75,4 @@ def _run(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_tool("serve", _run, argv, __doc__)
+    return run_tool("serve", _run, argv, __doc__, local_devices=True)
