@@ -23,21 +23,30 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     want = losses(tmp_path / "straight")
     assert sorted(want) == list(range(1, 11))
 
-    # Start again, SIGKILL the process once step 7 is logged (checkpoint 6 exists), then resume.
+    # Start again and SIGKILL the process while an async save is being written: orbax writes a step
+    # into "<step>.orbax-checkpoint-tmp-*" and commits it by a rename, so the kill lands while such a
+    # directory of step 6 or later exists (an earlier checkpoint is then complete). Then resume.
     cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", *common, "run_name=killed"]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
-    metrics = tmp_path / "killed" / "metrics.jsonl"
+    ckpts = tmp_path / "killed" / "checkpoints"
+
+    def saving():
+        names = [p.name for p in ckpts.iterdir()] if ckpts.is_dir() else []
+        return [n for n in names if ".orbax-checkpoint-tmp" in n and int(n.split(".")[0]) >= 6]
     deadline = time.time() + 500
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished before it could be killed"
+    while time.time() < deadline and proc.poll() is None and not saving():
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before a save of step >= 6 could be interrupted"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    torn = saving()
+    assert torn, "the save finished before the kill landed"
     resumed = run("train", *common, "run_name=killed")
     assert "resumed from" in resumed.stdout
+    # It resumed from a complete checkpoint, never from the interrupted one.
+    step = int(resumed.stdout.split("at step")[1].split()[0])
+    assert step < int(torn[0].split(".")[0]), (step, torn)
     got = losses(tmp_path / "killed")  # resumed steps overwrite the killed run's later entries
     assert sorted(got) == sorted(want)
     # Same batches and state after the resume: bit-identical losses.
