@@ -138,7 +138,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
-    kda_chunk_size: int = _f(64, "KDA chunk length")
+    kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
@@ -543,8 +543,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                               f"{m.num_experts} and topk_group <= n_group")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
-    if k.kda_chunk_size % 16:
-        raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a multiple of 16 (sub-block size)")
+    if k.kda_chunk_size < 16 or k.kda_chunk_size & (k.kda_chunk_size - 1):
+        raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a power of two >= 16 (e.g. 64; the "
+                          "chunked kernels split chunks into 16-token sub-blocks)")
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     sv = cfg.serve
