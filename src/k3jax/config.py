@@ -143,6 +143,7 @@ class KernelConfig:
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
+    moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (N*top_k <= experts) or runs them one-hot, instead of sort + ragged matmul; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
     moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
@@ -543,6 +544,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                               f"{m.num_experts} and topk_group <= n_group")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
+    if k.moe_gather_max_tokens < 0:
+        raise ConfigError(f"moe_gather_max_tokens={k.moe_gather_max_tokens}: must be >= 0 (0 turns the few-token "
+                          "MoE dispatch off)")
     if k.kda_chunk_size < 16 or k.kda_chunk_size & (k.kda_chunk_size - 1):
         raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a power of two >= 16 (e.g. 64; the "
                           "chunked kernels split chunks into 16-token sub-blocks)")
