@@ -167,11 +167,11 @@ def test_moe_matches_dense_reference_bf16(path):
 
 
 def test_few_token_path_rule():
-    # 0 = off; above the limit: dropless; N*k <= E gathers, else one-hot over all experts.
+    # 0 = off; above the limit: dropless; 4*N*k <= E gathers, else one-hot over all experts.
     assert few_token_path(1, 4, 32, 0) is None
     assert few_token_path(65, 4, 32, 64) is None
-    assert few_token_path(8, 4, 32, 64) == "gather"
-    assert few_token_path(9, 4, 32, 64) == "onehot"
+    assert few_token_path(2, 4, 32, 64) == "gather"
+    assert few_token_path(3, 4, 32, 64) == "onehot"
     assert few_token_path(64, 4, 32, 64) == "onehot"
 
 
