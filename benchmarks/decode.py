@@ -50,11 +50,11 @@ from k3jax.state import init_state  # noqa: E402
 SETTINGS = ["dtype=float32", "weight_dtype=float32", "scan_layers=true"]
 
 
-def load(name: str, max_len: int):
+def load(name: str, max_len: int, extra=()):
     """Config of a benchmark model; max_position_embeddings raised to cover the longest cache."""
-    cfg = C.load(overrides=[f"model_name={name}", *SETTINGS])
+    cfg = C.load(overrides=[f"model_name={name}", *SETTINGS, *extra])
     pos = max(cfg.model.max_position_embeddings, max_len)
-    return C.load(overrides=[f"model_name={name}", *SETTINGS, f"max_position_embeddings={pos}"])
+    return C.load(overrides=[f"model_name={name}", *SETTINGS, *extra, f"max_position_embeddings={pos}"])
 
 
 def bench_generate(cfg, mesh, model, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -151,6 +151,7 @@ def main(argv=None):
                    help="configs of the analytic cache-size table")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per length (median)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every model")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one more generate() per config into DIR/<config>; print the top-15 ops")
     p.add_argument("--out", default=result_path("decode"))
@@ -161,7 +162,7 @@ def main(argv=None):
 
     def get(name):
         if name not in models:
-            cfg = load(name, longest)
+            cfg = load(name, longest, a.set)
             mesh = make_mesh(cfg, devices=jax.devices()[:1])
             gdef, state, _ = init_state(cfg, mesh)
             models[name] = (cfg, mesh, nnx.merge(gdef, state["params"], state["rest"]))
