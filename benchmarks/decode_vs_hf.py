@@ -7,12 +7,15 @@ subprocess, and converted with ``conversion.hf_to_k3jax --dtype float32``. For e
 same random prompts (--prompt-len tokens) go through
 
   transformers  eager ``generate`` (attention and experts "eager"): prefill = generate of 1 new
-                token, full = generate of --new-tokens; decode time = full - prefill
+                token, full = generate of --new-tokens; decode time = full - prefill; at each
+                torch thread count of --hf-threads (default 1: on the shared 2-core host, 2
+                threads ran 21x slower at batch 1), keeping the fastest per batch
   k3jax         ``k3jax.decode.generate`` (compile excluded): its prefill and decode-loop times
 
 greedy, no stop token; the new tokens must be identical (the script fails otherwise). New tokens/s
 = batch x new tokens / decode time; the ratios are k3jax / transformers. The two stacks run one
-after the other, never at once (the cores are shared).
+after the other, never at once (the cores are shared), alternating batch by batch over --rounds
+rounds (2); each side keeps its fastest round.
 
     .venv/bin/python benchmarks/decode_vs_hf.py                       # batch 1, 8, 32
     .venv/bin/python benchmarks/decode_vs_hf.py --set moe_gather_max_tokens=0   # dropless only
@@ -66,10 +69,13 @@ def main(argv=None):
                    help="where the HF model and its conversion are kept between runs")
     p.add_argument("--hf-python", default="/work/venv-golden/bin/python",
                    help="a Python with torch + transformers (>= 5) and no fla")
+    p.add_argument("--hf-threads", type=int, nargs="+", default=[1],
+                   help="torch thread counts to try; the fastest generate per batch is kept")
     p.add_argument("--set", nargs="*", default=[], help="extra k3jax key=value overrides")
     p.add_argument("--reuse-hf", action="store_true",
                    help="reuse the transformers timings in --work from an earlier run of the same prompts "
                         "(to compare k3jax settings; transformers' side does not depend on them)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its fastest")
     p.add_argument("--out", default=result_path("decode_vs_hf"))
     a = p.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
@@ -81,27 +87,49 @@ def main(argv=None):
 
     spec = os.path.join(a.work, "prompts.json")
     res = os.path.join(a.work, "hf_result.json")
-    want = {"new_tokens": a.new_tokens, "batches": [{"prompts": prompts[b]} for b in a.batch]}
-    reuse = False
+    want = {"new_tokens": a.new_tokens, "threads": a.hf_threads, "batches": [{"prompts": prompts[b]} for b in a.batch]}
+    saved = None
     if a.reuse_hf and os.path.exists(res) and os.path.exists(spec):
         with open(spec) as fh:
-            reuse = json.load(fh) == want
-        if not reuse:
-            print("note: --reuse-hf: the saved transformers run used other prompts; running it again")
-    if not reuse:
-        with open(spec, "w") as fh:
-            json.dump(want, fh)
-        hf(a.hf_python, "time", os.path.join(a.work, "hf"), spec, res)
-    with open(res) as fh:
-        hf_out = json.load(fh)
-    hf_out["reused_from_earlier_run"] = reuse
+            if json.load(fh) == want:
+                with open(res) as fh:
+                    saved = json.load(fh)
+            else:
+                print("note: --reuse-hf: the saved transformers run used other prompts; running it again")
+
+    def run_hf(b: int) -> dict:
+        one = os.path.join(a.work, f"prompts_b{b}.json")
+        out = os.path.join(a.work, f"hf_result_b{b}.json")
+        with open(one, "w") as fh:
+            json.dump({**want, "batches": [{"prompts": prompts[b]}]}, fh)
+        hf(a.hf_python, "time", os.path.join(a.work, "hf"), one, out)
+        with open(out) as fh:
+            return json.load(fh)["rows"][0]
 
     mesh = make_mesh(cfg, devices=jax.devices()[:1])
     model = load_model(cfg, mesh)
+    # Rounds alternate the two stacks batch by batch (transformers, then k3jax, on the same
+    # prompts) and each side keeps its fastest round: the host is shared, and a neighbour's burst
+    # during one side's turn would otherwise decide the ratio.
+    best_hf, best_k3 = {}, {}
+    for _ in range(1 if saved else a.rounds):
+        for i, b in enumerate(a.batch):
+            h = saved["rows"][i] if saved else run_hf(b)
+            if b not in best_hf or h["generate_s"] < best_hf[b]["generate_s"]:
+                best_hf[b] = h
+            with jax.set_mesh(mesh):
+                out, t = generate(model, prompts[b], max_new_tokens=a.new_tokens)
+            if b not in best_k3 or t["decode_s"] + t["prefill_s"] < sum(best_k3[b][1][k] for k in ("decode_s", "prefill_s")):
+                best_k3[b] = (out, t)
+    hf_out = {"rows": [best_hf[b] for b in a.batch], "reused_from_earlier_run": saved is not None}
+    if not saved:
+        with open(spec, "w") as fh:
+            json.dump(want, fh)
+        with open(res, "w") as fh:
+            json.dump(hf_out, fh)
     rows = []
     for b, h in zip(a.batch, hf_out["rows"]):
-        with jax.set_mesh(mesh):
-            out, t = generate(model, prompts[b], max_new_tokens=a.new_tokens)
+        out, t = best_k3[b]
         same = out.tolist() == h["tokens"]
         agree = float(np.mean(np.asarray(out) == np.asarray(h["tokens"])))
         hf_decode_s = h["generate_s"] - h["prefill_s"]
@@ -119,13 +147,17 @@ def main(argv=None):
     print(f"\nGreedy decode, random Kimi Linear-shaped model (8 layers, hidden 512, 32 experts top-4, vocab "
           f"8192), float32, prompt {a.prompt_len}, {a.new_tokens} new tokens; {info['cpu_count']} cores, "
           f"load {info['load_avg_1min']:.1f}; overrides {a.set or 'none'}")
-    print_table(rows, [("batch", "batch", "d"), ("same tokens", "tokens_identical", "")
-                       , ("k3jax new tok/s", "k3jax_new_tokens_per_s", ".1f"),
+    for r, h in zip(rows, hf_out["rows"]):
+        r["hf_threads"] = h.get("threads")
+    print_table(rows, [("batch", "batch", "d"), ("same tokens", "tokens_identical", ""),
+                       ("HF threads", "hf_threads", "d"), ("k3jax new tok/s", "k3jax_new_tokens_per_s", ".1f"),
                        ("HF new tok/s", "hf_new_tokens_per_s", ".1f"), ("decode x", "decode_ratio", ".2f"),
                        ("k3jax prefill s", "k3jax_prefill_s", ".3f"), ("HF prefill s", "hf_prefill_s", ".3f"),
                        ("prefill x", "prefill_ratio", ".2f"), ("end-to-end x", "end_to_end_ratio", ".2f")])
     write_json(a.out, {"benchmark": "decode_vs_hf", "machine": info, "settings": vars(a),
-                       "transformers_side": {k: v for k, v in hf_out.items() if k != "rows"}, "rows": rows})
+                       "transformers_side": {"reused_from_earlier_run": hf_out["reused_from_earlier_run"],
+                                             "rows": [{k: v for k, v in h.items() if k != "tokens"}
+                                                      for h in hf_out["rows"]]}, "rows": rows})
     if not all(r["tokens_identical"] for r in rows):
         raise SystemExit("error: greedy tokens differ between k3jax and transformers (see token_agreement)")
 
