@@ -66,6 +66,44 @@ def median_time(fn: Callable[[], object], *, warmup: int, repeats: int) -> tuple
     return statistics.median(times), times
 
 
+def profile_top_ops(fn: Callable[[], object], trace_dir: str, top: int = 15) -> list[dict]:
+    """Run ``fn()`` under ``jax.profiler.trace(trace_dir, create_perfetto_trace=True)`` and return
+    the ``top`` HLO ops by total time: the trace's complete events that XLA tagged with an
+    ``hlo_op``, aggregated by (module, op name) over all their executions.
+
+    Rows: {"module", "op", "total_ms", "count", "mean_us", "share_pct"} (share of all HLO op time).
+    Open ``<trace_dir>/plugins/profile/*/perfetto_trace.json.gz`` in ui.perfetto.dev for the timeline.
+    """
+    import glob
+    import gzip
+    import jax
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        fn()
+    path = max(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")),
+               key=os.path.getmtime)
+    with gzip.open(path) as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    # XLA tags each executed HLO op with args.hlo_op / hlo_module; runtime bookkeeping, compiler
+    # passes and the Python tracer carry no hlo_op and are left out.
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args:
+            continue
+        t = totals.setdefault((args.get("hlo_module", ""), args["hlo_op"]), [0.0, 0])
+        t[0] += e.get("dur", 0.0)
+        t[1] += 1
+    all_us = sum(v[0] for v in totals.values()) or 1.0
+    rows = [{"module": mod, "op": name, "total_ms": us / 1e3, "count": n, "mean_us": us / n,
+             "share_pct": 100 * us / all_us}
+            for (mod, name), (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
+    print(f"\ntop {top} ops by total time ({all_us / 1e3:.1f} ms of ops in the trace; {path})")
+    print_table(rows, [("module", "module", "s"), ("op", "op", "s"), ("total ms", "total_ms", ".2f"), ("count", "count", "d"),
+                       ("mean us", "mean_us", ".1f"), ("share %", "share_pct", ".1f")])
+    return rows
+
+
 def machine() -> dict:
     """What the numbers were measured on (the JSON header)."""
     import jax

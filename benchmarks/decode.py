@@ -19,14 +19,19 @@ float32), for the benchmark configs and the full-size Kimi models.
 
     .venv/bin/python benchmarks/decode.py                          # tiny small, batch 1 and 8
     .venv/bin/python benchmarks/decode.py --config small --lengths 1024 4096 16384 65536
+    .venv/bin/python benchmarks/decode.py --config small --batch 8 --profile /tmp/prof
+--profile DIR runs one more generate() per config (first --batch size) under jax.profiler.trace
+(a perfetto trace under DIR/<config name or yml file stem>) and prints the top-15 ops by total time (compilation runs
+on the Python thread and is left out).
 Results: stdout tables and benchmarks/results/decode.json (--out to change).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
-from common import cpu_only, machine, median_time, print_table, result_path, write_json
+from common import cpu_only, machine, median_time, print_table, profile_top_ops, result_path, write_json
 
 cpu_only()
 
@@ -45,11 +50,11 @@ from k3jax.state import init_state  # noqa: E402
 SETTINGS = ["dtype=float32", "weight_dtype=float32", "scan_layers=true"]
 
 
-def load(name: str, max_len: int):
+def load(name: str, max_len: int, extra=()):
     """Config of a benchmark model; max_position_embeddings raised to cover the longest cache."""
-    cfg = C.load(overrides=[f"model_name={name}", *SETTINGS])
+    cfg = C.load(overrides=[f"model_name={name}", *SETTINGS, *extra])
     pos = max(cfg.model.max_position_embeddings, max_len)
-    return C.load(overrides=[f"model_name={name}", *SETTINGS, f"max_position_embeddings={pos}"])
+    return C.load(overrides=[f"model_name={name}", *SETTINGS, *extra, f"max_position_embeddings={pos}"])
 
 
 def bench_generate(cfg, mesh, model, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -138,23 +143,26 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="cache lengths")
-    p.add_argument("--context-config", nargs="+", default=["small"], help="configs of the length sweep")
+    p.add_argument("--context-config", nargs="*", default=["small"], help="configs of the length sweep")
     p.add_argument("--context-batch", type=int, default=1)
     p.add_argument("--cache-lengths", type=int, nargs="+", default=[4096, 16384, 131072, 1048576],
                    help="cache lengths of the analytic cache-size table")
-    p.add_argument("--cache-config", nargs="+", default=["tiny", "small", "kimi-linear-48b", "kimi-k3"],
+    p.add_argument("--cache-config", nargs="*", default=["tiny", "small", "kimi-linear-48b", "kimi-k3"],
                    help="configs of the analytic cache-size table")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per length (median)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every model")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one more generate() per config into DIR/<config>; print the top-15 ops")
     p.add_argument("--out", default=result_path("decode"))
     a = p.parse_args(argv)
     info = machine()
     longest = max(a.lengths + [a.prompt_len + a.new_tokens])
-    gen_rows, ctx_rows, models = [], [], {}
+    gen_rows, ctx_rows, models, top_ops = [], [], {}, {}
 
     def get(name):
         if name not in models:
-            cfg = load(name, longest)
+            cfg = load(name, longest, a.set)
             mesh = make_mesh(cfg, devices=jax.devices()[:1])
             gdef, state, _ = init_state(cfg, mesh)
             models[name] = (cfg, mesh, nnx.merge(gdef, state["params"], state["rest"]))
@@ -164,6 +172,11 @@ def main(argv=None):
         cfg, mesh, model = get(name)
         for b in a.batch:
             gen_rows.append({"config": name, **bench_generate(cfg, mesh, model, b, a.prompt_len, a.new_tokens)})
+        if a.profile:
+            b = a.batch[0]
+            top_ops[name] = profile_top_ops(
+                lambda: bench_generate(cfg, mesh, model, b, a.prompt_len, a.new_tokens),
+                os.path.join(a.profile, os.path.splitext(os.path.basename(name))[0]))
     for name in a.context_config:
         cfg, mesh, model = get(name)
         ctx_rows += [{"config": name, **r} for r in
@@ -193,7 +206,7 @@ def main(argv=None):
                        ("KDA MiB", "kda_mib", ".3f"), ("MLA MiB", "mla_mib", ".3f"),
                        ("total MiB", "total_mib", ".3f"), ("MLA %", "mla_share", ".1f")])
     write_json(a.out, {"benchmark": "decode", "machine": info, "settings": vars(a), "generate": gen_rows,
-                       "context": ctx_rows, "cache_bytes": cache_rows})
+                       "context": ctx_rows, "cache_bytes": cache_rows, "top_ops": top_ops or None})
 
 
 if __name__ == "__main__":

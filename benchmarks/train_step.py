@@ -9,8 +9,12 @@ compiles), then the median of the timed steps.
   tokens/s      batch x sequence tokens per step / median step time (MaxText's Tokens/s/device)
   TFLOP/s       counts.train_flops_per_token (analytic 3 x forward model FLOPs, no remat
                 recompute) x tokens/s
-  vs peak       TFLOP/s / this machine's float32 matmul rate (metrics.measure_cpu_matmul_tflops,
-                measured just before each config's timing, in the same process): the CPU 'MFU'
+  vs peak       TFLOP/s / this machine's float32 matmul rate (metrics.measure_cpu_matmul_peak:
+                best of 5 runs of ~1 s at n=2048, measured just before each config's timing, in
+                the same process; the spread of the 5 runs is printed and kept in the JSON): the
+                CPU 'MFU'
+  --profile DIR two more steps under jax.profiler.trace (a perfetto trace per config under DIR)
+                and the top-15 ops by total time printed and kept in the JSON
 
 The deepseek3-tiny row uses exactly MaxText's settings for that model (DS3_TINY below), so its
 tokens/s can be set beside MaxText's Tokens/s/device for the same model on the same machine.
@@ -18,6 +22,7 @@ tokens/s can be set beside MaxText's Tokens/s/device for the same model on the s
     .venv/bin/python benchmarks/train_step.py                               # tiny small
     .venv/bin/python benchmarks/train_step.py --config tiny small deepseek3-tiny
     .venv/bin/python benchmarks/train_step.py --config small --set opt_type=adamw
+    .venv/bin/python benchmarks/train_step.py --config small --profile /tmp/prof
 Results: stdout table and benchmarks/results/train_step.json (--out to change).
 """
 from __future__ import annotations
@@ -25,7 +30,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import cpu_only, machine, median_time, print_table, result_path, write_json
+import os
+
+from common import cpu_only, machine, median_time, print_table, profile_top_ops, result_path, write_json
 
 cpu_only()
 
@@ -33,7 +40,7 @@ import jax  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
 from k3jax import counts  # noqa: E402
-from k3jax.metrics import measure_cpu_matmul_tflops  # noqa: E402
+from k3jax.metrics import measure_cpu_matmul_peak  # noqa: E402
 from k3jax.model import count_params  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
@@ -54,7 +61,8 @@ ROWS = {
 COLUMNS = [("config", "config", "s"), ("B x T", "shape", "s"), ("params", "params_h", "s"),
            ("GFLOP/tok", "train_gflop_per_token", ".4f"), ("step ms", "step_ms", ".1f"),
            ("tokens/s", "tokens_per_s", ".0f"), ("TFLOP/s", "model_tflops", ".4f"),
-           ("f32 peak TFLOP/s", "cpu_peak_tflops", ".4f"), ("vs peak %", "vs_peak_pct", ".2f"),
+           ("f32 peak TFLOP/s", "cpu_peak_tflops", ".4f"), ("peak spread %", "peak_spread_pct", ".1f"),
+           ("vs peak %", "vs_peak_pct", ".2f"),
            ("compile s", "compile_and_first_step_s", ".1f")]
 
 
@@ -63,7 +71,7 @@ def load_config(name: str, extra: list[str]):
     return C.load(overrides=[f"model_name={name}", *COMMON, *ROWS.get(name, []), *extra])
 
 
-def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict:
+def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile_dir: str | None = None) -> dict:
     """Build, compile and time one config's train step; returns one table row."""
     cfg = load_config(name, extra)
     mesh = make_mesh(cfg, devices=jax.devices()[:1])
@@ -74,7 +82,8 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict
     n_params = count_params(state["params"])
     step = jit_train_step(cfg, gdef, tx, state)
     data = data_iterator(cfg, gb)
-    batches = [global_batch(next(data), mesh, gb) for _ in range(warmup + repeats)]
+    n_prof = 2 if profile_dir else 0
+    batches = [global_batch(next(data), mesh, gb) for _ in range(warmup + repeats + n_prof)]
     it = iter(batches)
     holder = {"state": state, "loss": []}
 
@@ -87,8 +96,11 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict
     t0 = time.perf_counter()
     one_step()                                   # compile + first step
     first_s = time.perf_counter() - t0
-    peak = measure_cpu_matmul_tflops()           # the machine's f32 matmul rate, right now
+    peak = measure_cpu_matmul_peak()             # the machine's f32 matmul rate, right now
     sec, times = median_time(one_step, warmup=max(warmup - 1, 0), repeats=repeats)
+    top = None
+    if profile_dir:
+        top = profile_top_ops(lambda: [one_step() for _ in range(n_prof)], os.path.join(profile_dir, name))
     flops_tok = counts.train_flops_per_token(cfg.model, seq, cfg.kernel.kda_chunk_size)
     tok_s = gb * seq / sec
     tflops = flops_tok * tok_s / 1e12
@@ -96,7 +108,8 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int) -> dict
     return {"config": name, "batch": gb, "seq": seq, "params": n_params,
             "active_params": counts.param_counts(cfg.model)[1], "train_gflop_per_token": flops_tok / 1e9,
             "compile_and_first_step_s": first_s, "step_s": sec, "step_times_s": times, "tokens_per_s": tok_s,
-            "model_tflops": tflops, "cpu_peak_tflops": peak, "vs_peak": tflops / peak,
+            "model_tflops": tflops, "cpu_peak_tflops": peak["tflops"], "cpu_peak_runs_tflops": peak["runs_tflops"],
+            "cpu_peak_spread": peak["spread"], "vs_peak": tflops / peak["tflops"], "top_ops": top,
             "loss_first": holder["loss"][0], "loss_last": holder["loss"][-1],
             "settings": {"opt_type": t.opt_type, "use_qk_clip": t.use_qk_clip, "dtype": t.dtype,
                          "weight_dtype": t.weight_dtype, "scan_layers": t.scan_layers,
@@ -112,6 +125,8 @@ def main(argv=None):
                    help="config overrides applied to every row, after the row's own settings")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first one compiles")
     p.add_argument("--repeats", type=int, default=5, help="timed steps (median)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also trace two steps per config into DIR/<config> and print the top-15 ops")
     p.add_argument("--out", default=result_path("train_step"))
     a = p.parse_args(argv)
     if a.warmup < 1 or a.repeats < 1:
@@ -121,13 +136,14 @@ def main(argv=None):
     rows = []
     for name in a.config:
         try:
-            rows.append(bench_config(name, a.set, a.warmup, a.repeats))
+            rows.append(bench_config(name, a.set, a.warmup, a.repeats, a.profile))
         except C.ConfigError as e:
             raise SystemExit(f"error: {name}: {e}") from None
     print(f"\nTrain step (fwd + bwd + {rows[0]['settings']['opt_type']} update) on one {info['backend']} device "
           f"({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32, median of {a.repeats}")
     view = [dict(r, shape=f"{r['batch']} x {r['seq']}", params_h=counts.human(r["params"]),
-                 step_ms=1e3 * r["step_s"], vs_peak_pct=100 * r["vs_peak"]) for r in rows]
+                 step_ms=1e3 * r["step_s"], vs_peak_pct=100 * r["vs_peak"],
+                 peak_spread_pct=100 * r["cpu_peak_spread"]) for r in rows]
     print_table(view, COLUMNS)
     write_json(a.out, {"benchmark": "train_step", "machine": info, "warmup": a.warmup, "repeats": a.repeats,
                        "rows": rows})

@@ -86,7 +86,9 @@ def test_types_are_coerced(kv, key, expected):
     (["mla_extra_layers=[40]"], "outside 0..12"),
     (["num_experts_per_token=99"], "exceeds num_experts"),
     (["steps=0"], "must be positive"),
-    (["kda_chunk_size=40"], "multiple of 16"),
+    (["kda_chunk_size=40"], "power of two >= 16"),
+    (["kda_chunk_size=48"], "power of two >= 16"),
+    (["kda_chunk_size=8"], "power of two >= 16"),
     (["freeze=[wings]"], "unknown ['wings']"),
 ])
 def test_user_errors_are_one_line(args, fragment):

@@ -153,3 +153,31 @@ def test_chunked_under_shard_map_matches_unsharded():
     assert rel(got[0], want[0]) < F32_TOL
     for a, b in zip(got[1], want[1]):
         assert rel(a, b) < F32_TOL
+
+
+def test_kda_chunk_size_reaches_the_layer_and_the_flops():
+    """kda_chunk_size is bound into the KDA layer's core (not a stored, unused value), two chunk
+    sizes give the same layer output (T = 70 spans several chunks of either; same weights), and
+    the FLOPs accounting (counts.forward_flops_per_token, used by train.py and compile.py) uses
+    the value the layers run with."""
+    from flax import nnx
+
+    from k3jax import config as C
+    from k3jax import counts
+    from k3jax.layers.kda import KDA
+
+    outs = {}
+    for c in (16, 64):
+        cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", f"kda_chunk_size={c}"])
+        m = cfg.model
+        layer = KDA(m, cfg.kernel, nnx.Rngs(0))
+        assert layer.core.keywords["chunk_size"] == layer.chunk_size == c
+        x = jax.random.normal(jax.random.key(2), (2, 70, m.hidden_size))
+        seg = jnp.asarray(np.repeat([[1] * 40 + [2] * 30], 2, axis=0))
+        outs[c] = np.asarray(nnx.jit(lambda l, x, s: l(x, s)[0])(layer, x, seg))
+        n_kda = sum(mixer == "kda" for mixer, _ in m.schedule)
+        per = lambda chunk: counts.kda_chunked_flops_per_token(  # noqa: E731
+            m.kda_num_heads, m.kda_head_dim, m.kda_head_dim, chunk)
+        want = counts.forward_flops_per_token(m, 70, 64) + n_kda * (per(c) - per(64))
+        assert counts.forward_flops_per_token(m, 70, cfg.kernel.kda_chunk_size) == pytest.approx(want)
+    assert rel(outs[16], outs[64]) <= 1e-5 and np.abs(outs[64]).max() > 0

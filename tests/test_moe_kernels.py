@@ -19,6 +19,7 @@ import pytest
 from k3jax.kernels.moe import (
     expert_load, grouped_matmul, load_stats, moe_capacity, moe_dense_reference, moe_dropless,
     route, sequence_aux_loss, update_bias)
+from k3jax.kernels.moe.dispatch import few_token_path, moe_few_tokens
 
 N, D, F, E, K = 24, 16, 24, 8, 2
 
@@ -98,6 +99,8 @@ def _moe_fn(path):
         return lambda *a: moe_dense_reference(*a, situ)
     if path == "capacity-huge":        # capacity_factor = E / k: no assignment can be dropped
         return lambda *a: moe_capacity(*a, situ, capacity_factor=E / K)[0]
+    if path.startswith("few-"):       # few-gather / few-onehot
+        return lambda *a: moe_few_tokens(*a, situ, path=path[4:])
     impl = path.split("-", 1)[1]
     return lambda *a: moe_dropless(*a, situ, impl=impl, interpret=True)
 
@@ -161,6 +164,50 @@ def test_moe_matches_dense_reference_bf16(path):
     for name, g, w in zip(["x", "weights", "w_gate", "w_up", "w_down"], grads, want_grads):
         assert g.dtype == w.dtype, name
         assert rel_rms(g, w) < TOL[jnp.bfloat16], name
+
+
+def test_few_token_path_rule():
+    # 0 = off; above the limit: dropless; 4*N*k <= E gathers, else one-hot over all experts.
+    assert few_token_path(1, 4, 32, 0) is None
+    assert few_token_path(65, 4, 32, 64) is None
+    assert few_token_path(2, 4, 32, 64) == "gather"
+    assert few_token_path(3, 4, 32, 64) == "onehot"
+    assert few_token_path(64, 4, 32, 64) == "onehot"
+
+
+@pytest.mark.parametrize("path,n", [("few-gather", 3), ("few-onehot", N)])
+def test_few_token_dispatch_matches_dropless(path, n):
+    """Outputs and every gradient within 1e-6 relative of the dropless ragged_dot path (f32),
+    with the same routing (idx, weights) fed to both; bf16 to bf16 tolerance."""
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, TOL[jnp.bfloat16])):
+        x, w, wg, wu, wd, idx, ct = _problem(dtype, "random")
+        args = (x[:n], w[:n], wg, wu, wd, idx[:n], ct[:n])
+        out, grads = _value_and_grads(path)(*args)
+        want_out, want_grads = _value_and_grads("dropless-ragged_dot")(*args)
+        assert out.dtype == jnp.float32 and out.shape == (n, D)
+        assert rel_rms(out, want_out) < tol, dtype
+        for name, g, ref in zip(["x", "weights", "w_gate", "w_up", "w_down"], grads, want_grads):
+            assert g.dtype == ref.dtype and rel_rms(g, ref) < tol, (name, dtype)
+            assert np.any(np.asarray(ref) != 0), name
+
+
+def test_moe_layer_picks_few_token_dispatch_below_the_limit():
+    """The layer routes once and gives dropless's result with the few-token path on or off; the
+    dispatch it ran is visible in the jaxpr (no ragged_dot below the limit, ragged_dot above)."""
+    from flax import nnx
+
+    from k3jax import config as C
+    from k3jax.layers.moe import MoE
+
+    def layer(limit):
+        cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", f"moe_gather_max_tokens={limit}"])
+        return MoE(cfg.model, cfg.kernel, nnx.Rngs(0))
+    on, off = layer(64), layer(0)
+    x = jax.random.normal(jax.random.key(1), (1, 5, on.cfg.hidden_size))
+    run = nnx.jit(lambda m, x: m(x)[0])
+    assert rel_rms(run(on, x), run(off, x)) < 1e-6
+    ragged = lambda m: "ragged_dot" in str(jax.make_jaxpr(lambda x: m(x)[0])(x))  # noqa: E731
+    assert not ragged(on) and ragged(off)
 
 
 def test_capacity_drops_exactly_the_overflow():

@@ -140,11 +140,12 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
-    kda_chunk_size: int = _f(64, "KDA chunk length")
+    kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
+    moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, instead of sort + ragged matmul; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
     moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
@@ -563,8 +564,12 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
                               f"(one E8M0 scale per 32 inputs); got {odd}")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
-    if k.kda_chunk_size % 16:
-        raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a multiple of 16 (sub-block size)")
+    if k.moe_gather_max_tokens < 0:
+        raise ConfigError(f"moe_gather_max_tokens={k.moe_gather_max_tokens}: must be >= 0 (0 turns the few-token "
+                          "MoE dispatch off)")
+    if k.kda_chunk_size < 16 or k.kda_chunk_size & (k.kda_chunk_size - 1):
+        raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a power of two >= 16 (e.g. 64; the "
+                          "chunked kernels split chunks into 16-token sub-blocks)")
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     sv = cfg.serve

@@ -18,16 +18,32 @@ GPU_PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA B200": 22
 _CPU_PEAK: float | None = None
 
 
-def measure_cpu_matmul_tflops(n: int = 1024, seconds: float = 0.5) -> float:
-    """The machine's own float32 matmul rate on one device, as the CPU 'peak' for MFU."""
+def measure_cpu_matmul_peak(n: int = 2048, runs: int = 5, seconds: float = 1.0) -> dict:
+    """The machine's own float32 matmul rate on one device, as the CPU 'peak' for MFU.
+
+    Best of ``runs`` timed runs of about ``seconds`` each (repeated n x n matmuls): on shared cores
+    one short run can land on a neighbour's burst (0.129 vs 0.468 TFLOP/s seen for one 0.5 s run at
+    n=1024), while the best of several is what the machine can do. Returns {"tflops": best,
+    "runs_tflops": every run, "spread": (max - min) / max, "n", "seconds"}.
+    """
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        f(a).block_until_ready()
-        reps += 1
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    rates = []
+    for _ in range(runs):
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            f(a).block_until_ready()
+            reps += 1
+        rates.append(2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12)
+    best = max(rates)
+    return {"tflops": best, "runs_tflops": rates, "spread": (best - min(rates)) / best, "n": n,
+            "seconds": seconds}
+
+
+def measure_cpu_matmul_tflops(n: int = 2048, runs: int = 5, seconds: float = 1.0) -> float:
+    """Best-of-runs float32 matmul TFLOP/s (``measure_cpu_matmul_peak``'s "tflops")."""
+    return measure_cpu_matmul_peak(n, runs, seconds)["tflops"]
 
 
 def peak_tflops_per_device(override: float | None = None) -> float:

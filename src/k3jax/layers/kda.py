@@ -33,9 +33,9 @@ class KDA(nnx.Module):
         d, h, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
         p, w, std = h * dk, cfg.kda_conv_size, cfg.initializer_range
         self.cfg, self.num_heads, self.head_dim = cfg, h, dk
-        self.core = get_kda_fn(kcfg.kda_impl, interpret=kcfg.pallas_interpret, batch_axes=S.BATCH_AXES,
-                               head_axis=S.HEAD_AXIS)
         self.chunk_size = kcfg.kda_chunk_size
+        self.core = get_kda_fn(kcfg.kda_impl, chunk_size=kcfg.kda_chunk_size, interpret=kcfg.pallas_interpret,
+                               batch_axes=S.BATCH_AXES, head_axis=S.HEAD_AXIS)
         self.cp_strategy = kcfg.context_parallel_strategy
         mat = dict(std=std, dtype=dtype, matrix=(0, 1))
         self.q_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)

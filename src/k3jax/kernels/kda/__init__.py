@@ -26,8 +26,12 @@ KDA_IMPLS = {
 }
 
 
-def get_kda_fn(name: str, *, interpret: bool = False, batch_axes=None, head_axis=None):
+def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batch_axes=None,
+               head_axis=None):
     """The KDA core called `name` (a key of KDA_IMPLS) with the common signature.
+
+    `chunk_size` (config `kda_chunk_size`, a power of two >= 16) is bound into the chunked
+    implementations ("chunked", "pallas_tpu"); "reference" is token-serial and has no chunks.
 
     `interpret` only concerns "pallas_tpu": True runs its kernels in the Pallas interpreter;
     False requires a TPU target and raises RuntimeError otherwise (never a silent fallback).
@@ -43,8 +47,10 @@ def get_kda_fn(name: str, *, interpret: bool = False, batch_axes=None, head_axis
         if batch_axes is None:
             raise ValueError("pallas_tpu needs batch_axes (and head_axis): the mesh axes it maps rows "
                              "(and heads) over")
-        return shard_kda(functools.partial(kda_pallas, interpret=interpret), batch_axes=batch_axes,
-                         head_axis=head_axis)
+        return shard_kda(functools.partial(kda_pallas, chunk_size=chunk_size, interpret=interpret),
+                         batch_axes=batch_axes, head_axis=head_axis)
+    if name == "chunked":
+        return functools.partial(kda_chunked, chunk_size=chunk_size)
     return KDA_IMPLS[name]
 
 

@@ -1,0 +1,166 @@
+"""Greedy decode side by side with Hugging Face transformers on the same random Kimi Linear model.
+
+A random 8-layer Kimi Linear-shaped model (hidden 512, 4 KDA heads of 128, NoPE MLA every 4th
+layer, 32 experts top-4 + 1 shared, vocab 8192; benchmarks/hf_decode_side.py) is made in
+transformers, run in the golden venv (Python 3.11, torch CPU, as scripts/make_goldens.py) as a
+subprocess, and converted with ``conversion.hf_to_k3jax --dtype float32``. For each batch size the
+same random prompts (--prompt-len tokens) go through
+
+  transformers  eager ``generate`` (attention and experts "eager"): prefill = generate of 1 new
+                token, full = generate of --new-tokens; decode time = full - prefill; at each
+                torch thread count of --hf-threads (default 1: on the shared 2-core host, 2
+                threads ran 21x slower at batch 1), keeping the fastest per batch
+  k3jax         ``k3jax.decode.generate`` (compile excluded): its prefill and decode-loop times
+
+greedy, no stop token; the new tokens must be identical (the script fails otherwise). New tokens/s
+= batch x new tokens / decode time; the ratios are k3jax / transformers. The two stacks run one
+after the other, never at once (the cores are shared), alternating batch by batch over --rounds
+rounds (2); each side keeps its fastest round.
+
+    .venv/bin/python benchmarks/decode_vs_hf.py                       # batch 1, 8, 32
+    .venv/bin/python benchmarks/decode_vs_hf.py --set moe_gather_max_tokens=0   # dropless only
+Results: a table on stdout and benchmarks/results/decode_vs_hf.json (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+from common import ROOT, cpu_only, machine, print_table, result_path, write_json
+
+cpu_only()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3jax import config as C  # noqa: E402
+from k3jax.decode import generate  # noqa: E402
+from k3jax.sharding import make_mesh  # noqa: E402
+from k3jax.state import load_model  # noqa: E402
+
+SIDE = os.path.join(ROOT, "benchmarks", "hf_decode_side.py")
+
+
+def hf(python: str, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
+    subprocess.run([python, SIDE, *args], check=True, env=env)
+
+
+def prepare(work: str, python: str) -> str:
+    """The HF model in work/hf and its k3jax conversion in work/ckpt (made once, then reused)."""
+    hf_dir, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        hf(python, "make", hf_dir)
+    if not os.path.exists(os.path.join(ckpt, "model.yml")):
+        from conversion import hf_to_k3jax
+        hf_to_k3jax.convert(hf_dir, ckpt, dtype="float32", progress=False)
+    return ckpt
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "k3jax_decode_vs_hf"),
+                   help="where the HF model and its conversion are kept between runs")
+    p.add_argument("--hf-python", default="/work/venv-golden/bin/python",
+                   help="a Python with torch + transformers (>= 5) and no fla")
+    p.add_argument("--hf-threads", type=int, nargs="+", default=[1],
+                   help="torch thread counts to try; the fastest generate per batch is kept")
+    p.add_argument("--set", nargs="*", default=[], help="extra k3jax key=value overrides")
+    p.add_argument("--reuse-hf", action="store_true",
+                   help="reuse the transformers timings in --work from an earlier run of the same prompts "
+                        "(to compare k3jax settings; transformers' side does not depend on them)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its fastest")
+    p.add_argument("--out", default=result_path("decode_vs_hf"))
+    a = p.parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    ckpt = prepare(a.work, a.hf_python)
+    cfg = C.load(overrides=[f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}", "dtype=float32",
+                            "weight_dtype=float32", *a.set])
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(3, cfg.model.vocab_size, (b, a.prompt_len)).tolist() for b in a.batch}
+
+    spec = os.path.join(a.work, "prompts.json")
+    res = os.path.join(a.work, "hf_result.json")
+    want = {"new_tokens": a.new_tokens, "threads": a.hf_threads, "batches": [{"prompts": prompts[b]} for b in a.batch]}
+    saved = None
+    if a.reuse_hf and os.path.exists(res) and os.path.exists(spec):
+        with open(spec) as fh:
+            if json.load(fh) == want:
+                with open(res) as fh:
+                    saved = json.load(fh)
+            else:
+                print("note: --reuse-hf: the saved transformers run used other prompts; running it again")
+
+    def run_hf(b: int) -> dict:
+        one = os.path.join(a.work, f"prompts_b{b}.json")
+        out = os.path.join(a.work, f"hf_result_b{b}.json")
+        with open(one, "w") as fh:
+            json.dump({**want, "batches": [{"prompts": prompts[b]}]}, fh)
+        hf(a.hf_python, "time", os.path.join(a.work, "hf"), one, out)
+        with open(out) as fh:
+            return json.load(fh)["rows"][0]
+
+    mesh = make_mesh(cfg, devices=jax.devices()[:1])
+    model = load_model(cfg, mesh)
+    # Rounds alternate the two stacks batch by batch (transformers, then k3jax, on the same
+    # prompts) and each side keeps its fastest round: the host is shared, and a neighbour's burst
+    # during one side's turn would otherwise decide the ratio.
+    best_hf, best_k3 = {}, {}
+    for _ in range(1 if saved else a.rounds):
+        for i, b in enumerate(a.batch):
+            h = saved["rows"][i] if saved else run_hf(b)
+            if b not in best_hf or h["generate_s"] < best_hf[b]["generate_s"]:
+                best_hf[b] = h
+            with jax.set_mesh(mesh):
+                out, t = generate(model, prompts[b], max_new_tokens=a.new_tokens)
+            if b not in best_k3 or t["decode_s"] + t["prefill_s"] < sum(best_k3[b][1][k] for k in ("decode_s", "prefill_s")):
+                best_k3[b] = (out, t)
+    hf_out = {"rows": [best_hf[b] for b in a.batch], "reused_from_earlier_run": saved is not None}
+    if not saved:
+        with open(spec, "w") as fh:
+            json.dump(want, fh)
+        with open(res, "w") as fh:
+            json.dump(hf_out, fh)
+    rows = []
+    for b, h in zip(a.batch, hf_out["rows"]):
+        out, t = best_k3[b]
+        same = out.tolist() == h["tokens"]
+        agree = float(np.mean(np.asarray(out) == np.asarray(h["tokens"])))
+        hf_decode_s = h["generate_s"] - h["prefill_s"]
+        n_new = b * a.new_tokens
+        # transformers' decode part makes new_tokens - 1 tokens (the first comes with its prefill).
+        hf_tps = b * (a.new_tokens - 1) / hf_decode_s
+        rows.append({"batch": b, "tokens_identical": same, "token_agreement": agree,
+                     "k3jax_prefill_s": t["prefill_s"], "hf_prefill_s": h["prefill_s"],
+                     "prefill_ratio": h["prefill_s"] / t["prefill_s"],
+                     "k3jax_new_tokens_per_s": n_new / t["decode_s"], "hf_new_tokens_per_s": hf_tps,
+                     "decode_ratio": (n_new / t["decode_s"]) / hf_tps,
+                     "k3jax_total_s": t["prefill_s"] + t["decode_s"], "hf_total_s": h["generate_s"],
+                     "end_to_end_ratio": h["generate_s"] / (t["prefill_s"] + t["decode_s"])})
+    info = machine()
+    print(f"\nGreedy decode, random Kimi Linear-shaped model (8 layers, hidden 512, 32 experts top-4, vocab "
+          f"8192), float32, prompt {a.prompt_len}, {a.new_tokens} new tokens; {info['cpu_count']} cores, "
+          f"load {info['load_avg_1min']:.1f}; overrides {a.set or 'none'}")
+    for r, h in zip(rows, hf_out["rows"]):
+        r["hf_threads"] = h.get("threads")
+    print_table(rows, [("batch", "batch", "d"), ("same tokens", "tokens_identical", ""),
+                       ("HF threads", "hf_threads", "d"), ("k3jax new tok/s", "k3jax_new_tokens_per_s", ".1f"),
+                       ("HF new tok/s", "hf_new_tokens_per_s", ".1f"), ("decode x", "decode_ratio", ".2f"),
+                       ("k3jax prefill s", "k3jax_prefill_s", ".3f"), ("HF prefill s", "hf_prefill_s", ".3f"),
+                       ("prefill x", "prefill_ratio", ".2f"), ("end-to-end x", "end_to_end_ratio", ".2f")])
+    write_json(a.out, {"benchmark": "decode_vs_hf", "machine": info, "settings": vars(a),
+                       "transformers_side": {"reused_from_earlier_run": hf_out["reused_from_earlier_run"],
+                                             "rows": [{k: v for k, v in h.items() if k != "tokens"}
+                                                      for h in hf_out["rows"]]}, "rows": rows})
+    if not all(r["tokens_identical"] for r in rows):
+        raise SystemExit("error: greedy tokens differ between k3jax and transformers (see token_agreement)")
+
+
+if __name__ == "__main__":
+    main()
