@@ -94,6 +94,24 @@ def test_pallas_mxfp4_gmm_matches_reference_output_and_gradient(dtype):
     assert rel_rms(g_ours, g_ref) <= (1e-6 if dtype == jnp.float32 else 1e-2), rel_rms(g_ours, g_ref)
 
 
+@pytest.mark.parametrize("path", ["gather", "onehot"])
+def test_few_token_dispatch_takes_packed_experts(path):
+    """Decode steps route through the few-token dispatch: with packed experts it decodes the chosen
+    (gather) or all (one-hot) experts and equals the dense experts the codec decodes."""
+    from k3jax.kernels.moe.dispatch import moe_few_tokens
+    rng = np.random.default_rng(1)
+    e, d, f, n, k = 8, 64, 32, 3, 2
+    (qg, wg), (qu, wu), (qd, wd) = (_codec(rng.standard_normal(s).astype(np.float32))
+                                    for s in ((e, d, f), (e, d, f), (e, f, d)))
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    idx = jnp.asarray([[0, 5], [5, 7], [2, 0]], jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    swiglu = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    got = moe_few_tokens(x, w, idx, qg, qu, qd, swiglu, path=path)
+    want = moe_few_tokens(x, w, idx, *map(jnp.asarray, (wg, wu, wd)), swiglu, path=path)
+    assert rel_rms(got, want) <= 1e-6, rel_rms(got, want)
+
+
 def _packed_pair(cfg_packed, cfg_dense, mesh, seed=0):
     """A model with packed experts made by the codec, and the dense model holding the decoded
     weights (all else equal), both on ``mesh``."""

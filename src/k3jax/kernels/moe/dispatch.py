@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.kernels.moe.gmm import grouped_matmul
-from k3jax.kernels.moe.quantized import as_dense
+from k3jax.kernels.moe.quantized import MXFP4, as_dense, dequantize
 
 __all__ = [
     "Act", "moe_dropless", "moe_few_tokens", "few_token_path", "moe_capacity", "moe_dense_reference", "sort_by_expert",
@@ -179,7 +179,8 @@ def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str
     Same arguments and result as `moe_dropless` (the same expert choices: `idx` comes from the
     router either way; the same casts), so the two agree to f32 summation order. `path` is
     "gather" or "onehot" (see `few_token_path`); None picks as it does (4*N*k <= E gathers).
-    Expert weights may be any arrays of the [E, D, F] / [E, F, D] shapes (e.g. dequantized on the fly by the caller).
+    Expert weights are dense arrays of the [E, D, F] / [E, F, D] shapes or packed ``MXFP4`` operands:
+    the gather path then decodes only the N x k chosen matrices, the one-hot path every expert.
 
     Returns:
       [N, D] f32.
@@ -191,13 +192,15 @@ def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str
     f32 = jnp.float32
     if path == "gather":
         # [N, k, D, F] / [N, k, F, D]: the chosen matrices, one per (token, slot).
-        g = jnp.einsum("nd,nkdf->nkf", x, w_gate[idx], preferred_element_type=x.dtype)
-        u = jnp.einsum("nd,nkdf->nkf", x, w_up[idx], preferred_element_type=x.dtype)
+        wg, wu, wd = (_chosen(w, idx, x.dtype) for w in (w_gate, w_up, w_down))
+        g = jnp.einsum("nd,nkdf->nkf", x, wg, preferred_element_type=x.dtype)
+        u = jnp.einsum("nd,nkdf->nkf", x, wu, preferred_element_type=x.dtype)
         h = act(g.astype(f32), u.astype(f32)).astype(x.dtype)
-        y = jnp.einsum("nkf,nkfd->nkd", h, w_down[idx], preferred_element_type=f32).astype(x.dtype)
+        y = jnp.einsum("nkf,nkfd->nkd", h, wd, preferred_element_type=f32).astype(x.dtype)
         return combine(weights, y)
     if path != "onehot":
         raise ValueError(f"few-token MoE path must be 'gather' or 'onehot', got {path!r}")
+    w_gate, w_up, w_down = (as_dense(w, x.dtype) for w in (w_gate, w_up, w_down))
     # A batched matmul per expert over x broadcast to [E, N, D]: written as "nd,edf->enf" XLA:CPU
     # folds E into the output dim and transposes every expert matrix into a [E*F, D] copy each
     # call (two weight reads and a write per step, the top ops of a decode profile).
@@ -208,6 +211,14 @@ def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str
     y = jnp.einsum("enf,efd->end", h, w_down, preferred_element_type=f32).astype(x.dtype)
     gate = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], idx].add(weights.astype(f32))
     return jnp.einsum("ne,end->nd", gate, y.astype(f32))
+
+
+def _chosen(w, idx, dtype) -> jax.Array:
+    """``w[idx]``: the [N, k, ...] matrices of the chosen experts; packed experts are gathered as
+    codes and scales and only those are decoded."""
+    if isinstance(w, MXFP4):
+        return dequantize(MXFP4(w.codes[idx], w.scales[idx]), dtype)
+    return w[idx]
 
 
 def capacity_of(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
