@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax.cli import run_tool
-from k3jax.runtime import load_tokenizer
+from k3jax.runtime import load_tokenizer, sync_processes
 from k3jax.sampling import sample
 from k3jax.sharding import make_mesh
 from k3jax.state import load_model
@@ -91,13 +91,19 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
 
     args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start))
     pre = run_prefill.lower(*args).compile()
+    sync_processes("compiled the prefill")
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(pre(*args))
     t_prefill = time.perf_counter() - t0
     key = jax.random.key(seed)
     dec = run_decode.lower(state, logits, cache, args[3], key).compile()
+    sync_processes("compiled the decode loop")
     t0 = time.perf_counter()
-    out = np.asarray(jax.block_until_ready(dec(state, logits, cache, args[3], key)))
+    out = jax.block_until_ready(dec(state, logits, cache, args[3], key))
+    if not out.is_fully_addressable:   # several processes: every one gets all the tokens
+        from jax.experimental import multihost_utils
+        out = multihost_utils.process_allgather(out, tiled=True)
+    out = np.asarray(out)
     t_decode = time.perf_counter() - t0
     n_new = int((out >= 0).sum())
     timing = {"prefill_tokens_per_s": int((seg > 0).sum()) / t_prefill, "decode_tokens_per_s": n_new / t_decode,
