@@ -131,8 +131,11 @@ def _run(cfg) -> int:
     # decoder prints each character once it is complete (linear in the output length).
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    # An ordered host callback needs a single process; several processes print the text at the end.
+    streaming = d.stream and jax.process_count() == 1
+
     def stream(i, toks):
-        if d.stream:
+        if streaming:
             t = int(np.asarray(toks)[0])
             if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
                 print(utf8.decode(tok.decode_bytes([t])), end="", flush=True)
@@ -141,9 +144,9 @@ def _run(cfg) -> int:
         out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
                                stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
                                temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
-                               on_tokens=stream)
+                               on_tokens=stream if streaming else None)
     new = [t for t in out[0].tolist() if t >= 0 and t not in (tok.eos_id, tok.im_end_id)]
-    if not d.stream:
+    if not streaming:
         print(d.prompt + tok.decode(new))
     else:
         print(utf8.decode(b"", final=True))
