@@ -24,6 +24,8 @@ setup(
         "jinja2>=3.1.6",       # transformers' chat-template renderer
         "pyarrow>=18",         # Parquet data source
         "tensorboardX>=2.6",   # TensorBoard scalars
+        "etils[epath]>=1.7",   # gs:// paths (k3jax.paths), as orbax uses them
+        "gcsfs>=2024.2",       # gs:// for etils.epath and the data sources' ranged reads
         "psutil>=5.9",
         "tensorstore>=0.1.60",  # streaming converter writes orbax leaves slice by slice
         "fastapi>=0.165.0",    # k3jax.serve: the OpenAI-compatible HTTP API
@@ -33,7 +35,8 @@ setup(
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.
         "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8",
-                "openai>=3.57.0"],    # the server tests talk to it with the real OpenAI client
+                "openai>=3.57.0",     # the server tests talk to it with the real OpenAI client
+                "gcp-storage-emulator>=2026.7.19"],   # a local GCS server for the gs:// tests
         "tpu": ["jax[tpu]>=0.11.2"],
     },
 )

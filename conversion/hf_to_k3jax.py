@@ -403,6 +403,17 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
     Peak host memory: the largest few source tensors (as float32), independent of model size.
     Returns a summary dict (tensors, bytes, seconds, skipped tensor names).
     """
+    from k3jax import paths
+    if paths.is_remote(out):   # converted locally, then uploaded (orbax files and model.yml)
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="k3jax-convert-") as tmp:
+            summary = convert(hf_dir, tmp, model_name, dtype, experts_format, progress)
+            summary["uploaded_files"] = paths.upload(tmp, str(out))
+        return summary
+    if paths.is_remote(hf_dir):   # safetensors are memory-mapped: a local copy of the directory
+        hf_dir = paths.local_dir(hf_dir, "--hf_dir")
+    paths.check(hf_dir, "--hf_dir")
+    paths.check(out, "--out")
     from flax import nnx
 
     from conversion.safetensors_io import CheckpointReader, read_config
@@ -534,8 +545,8 @@ def _packed_tree(reader, packed, flat):
 def main(argv=None) -> int:
     from k3jax.errors import ArgumentParser, guard
     ap = ArgumentParser(prog="python -m conversion.hf_to_k3jax", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
-    ap.add_argument("--out", required=True, help="output directory: params/, extra/ (+ model.yml)")
+    ap.add_argument("--hf_dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors), local or gs://")
+    ap.add_argument("--out", required=True, help="output directory, local or gs://: params/, extra/ (+ model.yml)")
     ap.add_argument("--model_name", default=None, help="check config.json against this model config")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="parameter dtype (default: the checkpoint's own, dtype/torch_dtype in config.json: float32 "

@@ -45,3 +45,48 @@ def tiny_run(tmp_path_factory):
             (root / "done").write_text("ok")
         fcntl.flock(lock, fcntl.LOCK_UN)
     return types.SimpleNamespace(root=root, run=root / "r", checkpoint=root / "r" / "checkpoints" / "4", args=args)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A local GCS server (the pure-Python gcp-storage-emulator, in memory) for the whole session,
+    with one bucket; every client of this process and of the tools it starts finds it through the
+    standard variables: STORAGE_EMULATOR_HOST (gcsfs, hence etils.epath), TENSORSTORE_GCS_HTTP_URL
+    (tensorstore, hence orbax). Anonymous credentials; gcsfs's bucket-type lookup (a gRPC call that
+    waits 60 s on an emulator) is off. -> namespace(url, bucket="gs://k3jax-test")."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=localhost", f"--port={port}",
+                             "--in-memory", "--default-bucket=k3jax-test"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("localhost", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, "the GCS emulator did not start"
+            time.sleep(0.2)
+    url = f"http://localhost:{port}"
+    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "FSSPEC_GCS_TOKEN": "anon",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec.config  # read FSSPEC_GCS_TOKEN at its import, which may have happened already
+    fsspec.config.conf.setdefault("gcs", {})["token"] = "anon"
+    try:
+        yield types.SimpleNamespace(url=url, bucket="gs://k3jax-test")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(10)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from k3jax import paths
 from k3jax.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,10 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message says which path and why."""
 
 
+def _absolute(p):
+    return p.absolute() if isinstance(p, Path) else p
+
+
 def _restore_args(abstract):
     return jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
                         abstract)
@@ -40,7 +46,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True,
                  with_data: bool = True):
         import grain
-        self.directory = Path(directory).absolute()
+        self.directory = _absolute(paths.path(str(directory), "checkpoint directory"))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "extra": ocp.StandardCheckpointHandler()}
         if with_data:
@@ -95,19 +101,32 @@ class Checkpointer:
             raise CheckpointError(f"{what} failed to write to {self.directory}: {cause.strerror or cause}; "
                                   f"{hint} (the checkpoints saved before it are kept)") from e
 
+    def data_process_counts(self, step: int) -> list[int]:
+        """The process counts the step's data-iterator states were saved by (grain writes one
+        ``process_<i>-of-<n>.json`` per process)."""
+        d = self.directory / str(step) / "data"
+        if not d.is_dir():
+            return []
+        return sorted({int(m.group(1)) for f in d.iterdir() if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name))})
+
     def restore(self, step: int, abstract_params, abstract_opt_state, abstract_extra, data_iter=None):
-        """Restore onto the shardings carried by the abstract targets (any mesh shape)."""
+        """Restore onto the shardings carried by the abstract targets (any mesh shape, any process
+        count: orbax reshards). -> (params, opt_state, extra, data_restored): the data iterator's
+        state is restored when it was saved by as many processes as this run has; otherwise (an
+        elastic restart) ``data_restored`` is False and the caller repositions the iterator."""
         import grain
         args = {"params": ocp.args.StandardRestore(abstract_params),
                 "opt_state": ocp.args.StandardRestore(abstract_opt_state),
                 "extra": ocp.args.StandardRestore(abstract_extra)}
-        if self.with_data and data_iter is not None:
+        data_restored = (self.with_data and data_iter is not None
+                         and jax.process_count() in self.data_process_counts(step))
+        if data_restored:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
             r = self.mngr.restore(step, args=ocp.args.Composite(**args))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
-        return r["params"], r["opt_state"], r["extra"]
+        return r["params"], r["opt_state"], r["extra"], data_restored
 
     def saving(self) -> bool:
         """True while an async save is still being written."""
@@ -144,7 +163,7 @@ def _os_error(e: BaseException) -> OSError | None:
 
 def resolve_params_dir(path: str | Path) -> Path:
     """Find the ``params`` item under a step dir, run dir, checkpoints dir or converter output."""
-    p = Path(path).absolute()
+    p = _absolute(paths.path(str(path), "load_parameters_path"))
     if not p.exists():
         raise CheckpointError(f"load_parameters_path={path}: no such directory")
     if (p / "params").is_dir():

@@ -320,8 +320,10 @@ def mesh_desc(mesh) -> str:
 def topology_mesh(cfg, name: str):
     """(Topology, Mesh over its virtual devices) for ``name``, mesh sizes from cfg.mesh."""
     topo = TP.resolve(name)
-    devs = TP.devices(topo)
-    C.validate(cfg, num_devices=len(devs))
+    slices = cfg.compile.compile_topology_num_slices
+    devs = TP.devices(topo, slices)
+    C.validate(cfg)
+    C.mesh_shape(cfg, len(devs), slices)   # the dcn_* sizes span the slices
     return topo, make_mesh(cfg, devices=devs)
 
 

@@ -189,6 +189,9 @@ class TrainConfig:
     log_period: int = _f(10, "steps between log lines")
     peak_tflops: Optional[float] = _f(None, "peak TFLOP/s per device for MFU; null = known table or a CPU measurement")
     enable_tensorboard: bool = _f(True, "write TensorBoard scalars")
+    profiler: str = _f("", "'' = off | xplane: a jax.profiler trace of profiler_steps steps into <run dir>/profile", ("", "xplane"))
+    skip_first_n_steps_for_profiler: int = _f(1, "profiler: steps of this run before the trace starts (the first step waits for compilation and input)")
+    profiler_steps: int = _f(5, "profiler: steps traced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +252,12 @@ class MeshConfig:
     shard_params_over_all_axes: bool = _f(True, "also split non-expert weights over the fsdp/expert axes their rules leave "
                                           "unused (training memory); false for serving meshes: replicated over expert, "
                                           "tensor-split only, so decode never all-gathers them")
-    enable_distributed: bool = _f(False, "call jax.distributed.initialize() (multi-host TPU VMs)")
+    enable_distributed: bool = _f(False, "join a multi-process job with jax.distributed.initialize() before anything touches a device (multi-host TPU VMs, GKE, scripts/local_pod.sh)")
+    coordinator_address: Optional[str] = _f(None, "multi-host: host:port of process 0's coordinator; null = JAX's auto-detection (TPU VMs, GKE)")
+    num_processes: Optional[int] = _f(None, "multi-host: number of processes in the job; null = auto-detected")
+    process_id: Optional[int] = _f(None, "multi-host: this process's index in 0..num_processes-1; null = auto-detected")
+    jax_distributed_initialization_timeout: int = _f(300, "multi-host: seconds to wait for every process to join the coordinator")
+    jax_cache_dir: Optional[str] = _f(None, "persistent compilation cache directory (local or gs://), so a restart does not recompile; null = off (or JAX_COMPILATION_CACHE_DIR)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +294,7 @@ class CheckConfig:
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
     compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
+    compile_topology_num_slices: int = _f(1, "compile: slices of compile_topology joined over DCN (multi-slice); the dcn_*_parallelism product must equal it")
     compile_step: str = _f("both", "compile: train | decode | both", ("train", "decode", "both"))
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
     plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
@@ -586,6 +595,8 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     _validate_eval_and_sft(cfg)
     _validate_data(cfg.data)
     _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
+    _validate_processes(cfg)
+    _validate_path_schemes(cfg)
     if num_devices is not None:
         mesh_shape(cfg, num_devices)
     if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
@@ -616,6 +627,47 @@ def _validate_data(d) -> None:
         raise ConfigError(f"bad_data_check_records={d.bad_data_check_records}: must be >= 0 (0 = no early check)")
     if not 0 <= d.bad_data_max_fraction <= 1:
         raise ConfigError(f"bad_data_max_fraction={d.bad_data_max_fraction}: must be within 0..1")
+
+
+# Keys holding a path or a glob: local, or gs:// (k3jax.paths); any other scheme is an error.
+PATH_KEYS = ("dataset_path", "tokenizer_path", "eval_dataset_path", "base_output_directory", "load_parameters_path",
+             "golden", "jax_cache_dir")
+SUPPORTED_SCHEMES = ("gs", "file")
+
+
+def check_path_scheme(value, key: str) -> None:
+    """ConfigError when ``value`` is a URL whose scheme k3jax cannot read or write (s3://, hdfs://)."""
+    head, sep, _ = str(value).partition("://")
+    if sep and head and "/" not in head and head.lower() not in SUPPORTED_SCHEMES:
+        raise ConfigError(f"{key}={value}: the {head}:// scheme is not supported; use a local path or "
+                          f"gs://bucket/...")
+
+
+def _validate_path_schemes(cfg: Config) -> None:
+    flat = cfg.flat()
+    for key in PATH_KEYS:
+        for part in str(flat[key] or "").split(","):
+            check_path_scheme(part.strip(), key)
+
+
+def _validate_processes(cfg: Config) -> None:
+    m = cfg.mesh
+    if m.num_processes is not None and m.num_processes < 1:
+        raise ConfigError(f"num_processes={m.num_processes}: must be >= 1")
+    if m.process_id is not None and not 0 <= m.process_id < (m.num_processes or m.process_id + 1):
+        raise ConfigError(f"process_id={m.process_id}: must be in 0..num_processes-1={(m.num_processes or 1) - 1}")
+    if m.jax_distributed_initialization_timeout <= 0:
+        raise ConfigError(f"jax_distributed_initialization_timeout={m.jax_distributed_initialization_timeout}: "
+                          f"must be a positive number of seconds")
+    given = [k for k in ("coordinator_address", "num_processes", "process_id") if getattr(m, k) is not None]
+    for key, v, lo in (("compile_topology_num_slices", cfg.compile.compile_topology_num_slices, 1),
+                       ("profiler_steps", cfg.train.profiler_steps, 1),
+                       ("skip_first_n_steps_for_profiler", cfg.train.skip_first_n_steps_for_profiler, 0)):
+        if v < lo:
+            raise ConfigError(f"{key}={v}: must be >= {lo}")
+    if given and not m.enable_distributed:
+        raise ConfigError(f"{', '.join(given)} set but enable_distributed=false; set enable_distributed=true "
+                          f"to join a multi-process job")
 
 
 def _validate_eval_and_sft(cfg: Config) -> None:

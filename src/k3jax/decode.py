@@ -20,7 +20,7 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax.cli import run_tool
-from k3jax.runtime import load_tokenizer, tokenizer_dir
+from k3jax.runtime import load_tokenizer, sync_processes, tokenizer_dir
 from k3jax.sampling import sample
 from k3jax.sharding import make_mesh
 from k3jax.state import load_model
@@ -91,13 +91,19 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
 
     args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start))
     pre = run_prefill.lower(*args).compile()
+    sync_processes("compiled the prefill")
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(pre(*args))
     t_prefill = time.perf_counter() - t0
     key = jax.random.key(seed)
     dec = run_decode.lower(state, logits, cache, args[3], key).compile()
+    sync_processes("compiled the decode loop")
     t0 = time.perf_counter()
-    out = np.asarray(jax.block_until_ready(dec(state, logits, cache, args[3], key)))
+    out = jax.block_until_ready(dec(state, logits, cache, args[3], key))
+    if not out.is_fully_addressable:   # several processes: every one gets all the tokens
+        from jax.experimental import multihost_utils
+        out = multihost_utils.process_allgather(out, tiled=True)
+    out = np.asarray(out)
     t_decode = time.perf_counter() - t0
     n_new = int((out >= 0).sum())
     timing = {"prefill_tokens_per_s": int((seg > 0).sum()) / t_prefill, "decode_tokens_per_s": n_new / t_decode,
@@ -130,8 +136,11 @@ def _run(cfg) -> int:
     # decoder prints each character once it is complete (linear in the output length).
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    # An ordered host callback needs a single process; several processes print the text at the end.
+    streaming = d.stream and jax.process_count() == 1
+
     def stream(i, toks):
-        if d.stream:
+        if streaming:
             t = int(np.asarray(toks)[0])
             if t >= 0 and t not in (tok.eos_id, tok.im_end_id):
                 print(utf8.decode(tok.decode_bytes([t])), end="", flush=True)
@@ -140,9 +149,9 @@ def _run(cfg) -> int:
         out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
                                stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
                                temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
-                               on_tokens=stream)
+                               on_tokens=stream if streaming else None)
     new = [t for t in out[0].tolist() if t >= 0 and t not in (tok.eos_id, tok.im_end_id)]
-    if not d.stream:
+    if not streaming:
         print(d.prompt + tok.decode(new))
     else:
         print(utf8.decode(b"", final=True))

@@ -12,11 +12,10 @@ when max KL > ``max_kl`` or max abs error > ``atol``, 2 on a usage error, 0 othe
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 
-from k3jax import config as C
+from k3jax import config as C, paths
 from k3jax.cli import run_tool
 
 
@@ -48,9 +47,9 @@ def load_golden(path: str | None, vocab_size: int) -> tuple[np.ndarray, np.ndarr
     """(tokens [B,T] int32, logits [B,T,V] float32) from the golden .npz, validated."""
     if not path:
         raise C.ConfigError("golden is not set; pass golden=FILE.npz (see scripts/make_golden_logits.py)")
-    if not Path(path).is_file():
+    if not paths.path(path, "golden").is_file():
         raise C.ConfigError(f"golden={path}: no such file")
-    with np.load(path) as g:
+    with paths.open_binary(path) as f, np.load(f) as g:
         missing = {"tokens", "logits"} - set(g.files)
         if missing:
             raise C.ConfigError(f"golden={path}: missing arrays {sorted(missing)} (found {sorted(g.files)})")
@@ -78,7 +77,19 @@ def model_logits(cfg, tokens: np.ndarray) -> np.ndarray:
     mesh = make_mesh(cfg)
     with jax.set_mesh(mesh):
         model = restore_model(cfg, mesh)
-        logits = _forward()(model, jnp.asarray(tokens))
+        if jax.process_count() == 1:
+            logits = _forward()(model, jnp.asarray(tokens))
+        else:   # compile first, then start together (runtime.sync_processes)
+            from flax import nnx
+
+            from k3jax.runtime import sync_processes
+            gdef, state = nnx.split(model)
+            fwd = jax.jit(lambda s, t: nnx.merge(gdef, s)(t)[0]).lower(state, jnp.asarray(tokens)).compile()
+            sync_processes("compiled the logit_check forward")
+            logits = fwd(state, jnp.asarray(tokens))
+    if not logits.is_fully_addressable:   # several processes: every one gets the whole array
+        from jax.experimental import multihost_utils
+        logits = multihost_utils.process_allgather(logits, tiled=True)
     return np.asarray(logits, np.float32)
 
 

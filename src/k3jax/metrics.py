@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from k3jax import paths
 from k3jax.topology import chip_of_device_kind
 
 # Dense bf16 peak TFLOP/s per GPU (NVIDIA datasheets, dense). TPU peaks come from
@@ -63,14 +64,28 @@ def peak_tflops_per_device(override: float | None = None) -> float:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in ``metrics.jsonl``; TensorBoard scalars when available."""
+    """One JSON object per logged step in ``metrics.jsonl``; TensorBoard scalars when available.
+    Only process 0 writes (the others' records are the same numbers). A gs:// run directory gets
+    the files written locally first and uploaded every ``sync_seconds`` and on close (objects
+    cannot be appended to); a resumed run continues the uploaded metrics.jsonl."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir, tensorboard: bool = True, sync_seconds: float = 30.0):
+        self.file = self.tb = None
+        if jax.process_index() != 0:
+            return
+        self.remote = run_dir if paths.is_remote(run_dir) else None
+        self.sync_seconds, self.last_sync = sync_seconds, time.monotonic()
+        if self.remote is not None:
+            import tempfile
+            local = Path(tempfile.mkdtemp(prefix="k3jax-metrics-"))
+            if (run_dir / "metrics.jsonl").exists():
+                (local / "metrics.jsonl").write_bytes((run_dir / "metrics.jsonl").read_bytes())
+            run_dir = local
+        self.local = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.file = self.path.open("a")
-        self.tb = None
-        if tensorboard and jax.process_index() == 0:
+        if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -78,7 +93,7 @@ class MetricsWriter:
                 print("note: tensorboardX is not installed; TensorBoard logging is off", file=sys.stderr)
 
     def write(self, record: dict) -> None:
-        if jax.process_index() != 0:
+        if self.file is None:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -86,8 +101,22 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
+        if self.remote is not None and time.monotonic() - self.last_sync >= self.sync_seconds:
+            self.sync()
+
+    def sync(self) -> None:
+        """Upload the local files to the gs:// run directory (nothing for a local one)."""
+        if self.remote is None or self.file is None:
+            return
+        if self.tb is not None:
+            self.tb.flush()
+        paths.upload(self.local, str(self.remote))
+        self.last_sync = time.monotonic()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.file is not None and self.remote is not None:
+            paths.upload(self.local, str(self.remote))

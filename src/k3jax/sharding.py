@@ -187,10 +187,20 @@ def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
 
 
 def maybe_initialize_distributed(cfg: Config) -> None:
-    """Multi-host TPU VMs: jax.distributed.initialize() discovers the coordinator itself. Must run
-    before anything touches a device; a second call is a no-op."""
-    if cfg.mesh.enable_distributed and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    """Join the multi-process job (``enable_distributed``) with ``jax.distributed.initialize``: the
+    coordinator, process count and index from ``coordinator_address`` / ``num_processes`` /
+    ``process_id`` when set, else JAX's auto-detection (TPU VMs, GKE). On CPU the collectives run
+    over gloo. Must run before anything touches a device; a second call is a no-op."""
+    m = cfg.mesh
+    if not m.enable_distributed or jax.distributed.is_initialized():
+        return
+    platforms = jax.config.jax_platforms or ""
+    if platforms.split(",")[0] == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    given = {"coordinator_address": m.coordinator_address, "num_processes": m.num_processes,
+             "process_id": m.process_id}
+    jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None},
+                               initialization_timeout=m.jax_distributed_initialization_timeout)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

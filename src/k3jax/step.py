@@ -157,11 +157,15 @@ def check_batch(cfg, num_devices: int) -> int:
     return gb
 
 
-def data_iterator(cfg, global_batch: int, tokenizer=None):
-    """This process's share of the training batches (a checkpointable grain iterator)."""
+def data_iterator(cfg, global_batch: int, tokenizer=None, *, process_index: int | None = None,
+                  process_count: int | None = None):
+    """This process's share of the training batches (a checkpointable grain iterator); another
+    process's share with ``process_index`` / ``process_count``."""
     from k3jax.data import pipeline as P
-    per_host = global_batch // jax.process_count()
+    process_count = jax.process_count() if process_count is None else process_count
+    per_host = global_batch // process_count
     return P.make_pipeline(dataset_type=cfg.data.dataset_type, paths=cfg.data.dataset_path, tokenizer=tokenizer,
+                           process_index=process_index, process_count=process_count,
                            seq_len=cfg.train.max_target_length, batch_size=per_host, seed=cfg.data.data_seed,
                            shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
                            vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key,

@@ -149,17 +149,20 @@ def _harmless_env() -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def devices(topo: Topology):
-    """The (virtual) TPU devices of ``topo``; raises RuntimeError when libtpu is unavailable."""
+def devices(topo: Topology, num_slices: int = 1):
+    """The (virtual) TPU devices of ``num_slices`` slices of ``topo`` (each device carries its
+    ``slice_index``); raises RuntimeError when libtpu is unavailable."""
     _harmless_env()
     from jax.experimental import topologies
+    extra = {"num_slices": num_slices} if num_slices > 1 else {}
     try:
-        desc = topologies.get_topology_desc(topology_name=topo.libtpu_name, platform="tpu")
+        desc = topologies.get_topology_desc(topology_name=topo.libtpu_name, platform="tpu", **extra)
     except Exception as e:  # libtpu missing, or a grid libtpu rejects: both end the run
         raise RuntimeError(f"cannot describe TPU topology {topo.libtpu_name}: {str(e).splitlines()[0]}") from e
     devs = list(desc.devices)
-    if len(devs) != topo.num_devices:
-        raise RuntimeError(f"libtpu gave {len(devs)} devices for {topo.libtpu_name}, expected {topo.num_devices}")
+    if len(devs) != topo.num_devices * num_slices:
+        raise RuntimeError(f"libtpu gave {len(devs)} devices for {num_slices} x {topo.libtpu_name}, expected "
+                           f"{topo.num_devices * num_slices}")
     return devs
 
 

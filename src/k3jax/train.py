@@ -16,7 +16,7 @@ import numpy as np
 import yaml
 
 from k3jax import config as C
-from k3jax import counts
+from k3jax import counts, paths
 from k3jax.checkpoint import Checkpointer
 from k3jax.cli import run_tool
 from k3jax.errors import UserError
@@ -24,7 +24,9 @@ from k3jax.console import Console, timed_compile
 from k3jax.evaluate import Evaluator, check_eval_data
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
 from k3jax.optim import make_schedule
-from k3jax.runtime import record_tokenizer
+from k3jax.preemption import EXIT_STATUS as PREEMPTED_EXIT, Preemption
+from k3jax.profiler import Profiler
+from k3jax.runtime import record_tokenizer, sync_processes
 from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, restore_state
 from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
@@ -35,15 +37,19 @@ class TrainingError(UserError, RuntimeError):
 
 
 def train(cfg, *, on_step=None) -> dict:
+    """The training loop; -> {"history", "state", "run_dir", "preempted"} (``preempted``: the step
+    saved after SIGTERM, else None)."""
     maybe_initialize_distributed(cfg)
     mesh = make_mesh(cfg)
     n_dev = mesh.devices.size
     gb = check_batch(cfg, n_dev)
-    run_dir = cfg.run_dir
+    run_dir = paths.run_dir(cfg)
+    lead = jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
     check_resumable(cfg, run_dir)
-    (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
-    tok = record_tokenizer(cfg, run_dir)   # <run>/tokenizer: what decode and serve read with the checkpoints
+    if lead:
+        (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
+    tok = record_tokenizer(cfg, run_dir, write=lead)   # <run>/tokenizer: what decode and serve read with the checkpoints
     data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
     if cfg.eval.eval_dataset_path:
         check_eval_data(cfg, tok)
@@ -54,9 +60,12 @@ def train(cfg, *, on_step=None) -> dict:
         last = ckpt.latest_step()
     if last is not None:  # resume: the full state (and the data position) straight into the shardings
         gdef, abstract, tx = abstract_state(cfg, mesh, optimizer=True)
-        p, o, r = ckpt.restore(last, abstract["params"], abstract["opt_state"], abstract["rest"], data)
+        p, o, r, data_restored = ckpt.restore(last, abstract["params"], abstract["opt_state"], abstract["rest"],
+                                              data)
         state = {"params": p, "opt_state": o, "rest": r}
         print(f"resumed from {run_dir / 'checkpoints' / str(last)} at step {last}")
+        if not data_restored:
+            _skip_batches(data, last, ckpt.data_process_counts(last))
     elif cfg.checkpoint.load_parameters_path:
         gdef, state, tx = restore_state(cfg, mesh, optimizer=True)
         print(f"loaded parameters from {cfg.checkpoint.load_parameters_path}")
@@ -64,6 +73,7 @@ def train(cfg, *, on_step=None) -> dict:
         gdef, state, tx = init_state(cfg, mesh, optimizer=True)
     start = last or 0
     step_fn = compile_train_step(cfg, gdef, tx, state, mesh, gb)
+    sync_processes("compiled the train step")
     evaluator = Evaluator(cfg, mesh, gdef, tok) if cfg.eval.eval_dataset_path else None
     console = Console(cfg, num_devices=n_dev, start_step=start, tokens_per_step=float(gb * cfg.train.max_target_length),
                       flops_per_token=counts.train_flops_per_token(cfg.model, cfg.train.max_target_length,
@@ -71,6 +81,9 @@ def train(cfg, *, on_step=None) -> dict:
                       peak_tflops_per_device=peak_tflops_per_device(cfg.train.peak_tflops))
     writer = MetricsWriter(run_dir, cfg.train.enable_tensorboard)
     schedule = make_schedule(cfg.train)
+    profiler = Profiler(cfg, run_dir, start)
+    preemption = Preemption()
+    preempted = None
     tty = sys.stdout.isatty()
     history = []
     t_last = time.perf_counter()
@@ -80,10 +93,12 @@ def train(cfg, *, on_step=None) -> dict:
             if raw is None:   # num_epoch passes are used up
                 _data_ran_out(cfg, step, start, ckpt, state, data, console)
                 break
+            profiler.before(step)
             batch = global_batch(raw, mesh, gb)
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, batch)
             m = jax.device_get(m)
+            profiler.after(step)
             if not bool(m["finite"]) and cfg.train.nan_policy == "stop":
                 raise TrainingError(f"non-finite loss at step {step + 1} (loss={float(m['loss'])}, grad_norm="
                                     f"{float(m['grad_norm'])}); stopped without saving; the last good checkpoint "
@@ -102,18 +117,51 @@ def train(cfg, *, on_step=None) -> dict:
                 on_step(rec)
             if console.due(step + 1) or "eval_loss" in rec:
                 print(("\r" if tty else "") + console.line(rec), flush=True)
+            if preemption.due(step + 1):
+                preempted = step + 1
+                _save_on_preemption(ckpt, step + 1, state, data, console, cfg)
+                break
             if ckpt and ((step + 1) % cfg.checkpoint.checkpoint_period == 0 or step + 1 == cfg.train.steps):
                 _save(ckpt, step + 1, state, data, console, cfg, force=step + 1 == cfg.train.steps)
             if ckpt:
                 console.poll_checkpoints(ckpt.saving())
             t_last = time.perf_counter()   # evaluation, logging and checkpoint time are not step time
     finally:
+        profiler.close()
+        preemption.close()
         if ckpt:
             ckpt.close()
             console.poll_checkpoints(False)
         writer.close()
-    _report_sft_fitting(cfg, data)
-    return {"history": history, "state": state, "run_dir": run_dir}
+    if preempted is None:
+        _report_sft_fitting(cfg, data)
+    return {"history": history, "state": state, "run_dir": run_dir, "preempted": preempted}
+
+
+def _skip_batches(data, step: int, saved_counts: list[int]) -> None:
+    """Elastic restart: the checkpoint's data-iterator state belongs to another process count, so
+    this run's iterator restarts at its step-derived position (``step`` batches in)."""
+    print(f"note: the checkpoint's data iterator was saved by {'/'.join(map(str, saved_counts)) or 'no'} "
+          f"process(es), this run has {jax.process_count()}; the data restarts at its step-derived position "
+          f"({step} batches skipped; the records are this process count's order, not the saved run's)", flush=True)
+    for _ in range(step):
+        if next(data, None) is None:
+            break
+
+
+def _save_on_preemption(ckpt, step: int, state, data, console, cfg) -> None:
+    """SIGTERM: every process saves the agreed step, waits for the save, and the run exits 143."""
+    t0 = time.perf_counter()
+    if ckpt is None:
+        print(f"preempted (SIGTERM) at step {step}; checkpointing is off, nothing saved; exiting with status "
+              f"{PREEMPTED_EXIT}", flush=True)
+        return
+    if ckpt.latest_step() != step:
+        ckpt.save(step, state["params"], state["opt_state"], state["rest"], data, force=True)
+    ckpt.wait()
+    console.pending_saves.clear()
+    print(f"preempted (SIGTERM): checkpoint {step} saved in {time.perf_counter() - t0:.1f} s in "
+          f"{ckpt.directory}; exiting with status {PREEMPTED_EXIT} so the job is restarted", flush=True)
 
 
 # Keys beyond the model section that decide the shapes or dtypes of a full training state.
@@ -179,6 +227,8 @@ def _report_sft_fitting(cfg, data) -> None:
 
 def _run(cfg) -> int:
     out = train(cfg)
+    if out["preempted"] is not None:
+        return PREEMPTED_EXIT
     h = out["history"]
     if h:
         print(f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {h[-1]['loss']:.4f}; run dir {out['run_dir']}")

@@ -12,7 +12,6 @@ bad-data policy instead of crashing a reader thread.
 from __future__ import annotations
 
 import bisect
-import glob
 import os
 import threading
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 from grain.sources import RandomAccessDataSource
 
+from k3jax import paths as _paths
 from k3jax.errors import UserError
 
 
@@ -38,8 +38,7 @@ def expand_paths(paths: str | Sequence[str]) -> list[str]:
     for pattern in (p.strip() for p in patterns):
         if not pattern:
             continue
-        matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.isfile(p))
+        matched = _paths.glob(pattern, "dataset_path")   # local or gs://
         if not matched:
             raise DataError(f"no file matches {pattern!r}")
         files += matched
@@ -80,7 +79,7 @@ class JsonlSource(RandomAccessDataSource):
         """[start, end) byte offsets of every line; a last line without '\\n' counts."""
         newlines = []
         size = 0
-        with open(path, "rb") as f:
+        with _paths.open_binary(path) as f:
             while chunk := f.read(cls._CHUNK):
                 newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
                 size += len(chunk)
@@ -108,7 +107,10 @@ class JsonlSource(RandomAccessDataSource):
         index = int(index)
         fi = int(self._file_ids[index])
         start, end = int(self._starts[index]), int(self._ends[index])
-        data = os.pread(self._fd(fi), end - start, start)
+        if _paths.is_remote(self.files[fi]):   # a ranged GET of the object
+            data = _paths.read_range(self.files[fi], start, end)
+        else:
+            data = os.pread(self._fd(fi), end - start, start)
         if data.endswith(b"\r"):
             data = data[:-1]
         return data, f"{self.files[fi]}:{int(self._line_nos[index])}"
@@ -157,7 +159,7 @@ class ParquetSource(RandomAccessDataSource):
         for fi, path in enumerate(self.files):
             self._file_starts.append(total)
             try:
-                meta = pq.ParquetFile(path).metadata
+                meta = pq.ParquetFile(_paths.open_binary(path)).metadata
             except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a non-Parquet file
                 raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); "
                                 f"check dataset_type") from None
@@ -180,7 +182,7 @@ class ParquetSource(RandomAccessDataSource):
         import pyarrow.parquet as pq
 
         fi, g = self._groups[gi]
-        table = pq.ParquetFile(self.files[fi]).read_row_group(g, columns=[self.column])
+        table = pq.ParquetFile(_paths.open_binary(self.files[fi])).read_row_group(g, columns=[self.column])
         rows = table.column(0).to_pylist()
         with self._lock:
             self._cache[gi] = rows
@@ -223,6 +225,10 @@ class ArrayRecordSource(RandomAccessDataSource):
         from grain.sources import ArrayRecordDataSource
 
         self.files = expand_paths(paths)
+        remote = [f for f in self.files if _paths.is_remote(f)]
+        if remote:
+            raise DataError(f"{remote[0]}: ArrayRecord files are read locally only; copy them to local disk, or use "
+                            f"jsonl / parquet files on gs://")
         self._starts = [0]
         for path in self.files:
             try:
