@@ -65,21 +65,32 @@ def decode_candidates(cfg, num_devices: int) -> list[dict]:
     return out
 
 
-def evaluate_decode(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
-    """Compile one serving mesh's decode step; -> row with memory and the decode roofline."""
+def _compiled(cfg, devices, cand: dict, compile_fn):
+    """Compile ``cand``'s step with ``compile_fn``; -> (row, (cfg, mesh, compiled, secs, batch)), or
+    (row with the refusal under "error", None) for a config error or the compiler's refusal (HBM
+    OOM at compile time, kernel refusals)."""
     row = dict(cand)
     try:
         c = C.override(cfg, cand)
         C.validate(c, num_devices=len(devices))
         mesh = make_mesh(c, devices=devices)
         row["mesh"] = K.mesh_desc(mesh)
-        compiled, secs, gb = K.compile_decode(c, mesh)
-    except (C.ConfigError, ValueError) as e:
+        compiled, secs, gb = compile_fn(c, mesh)
+    except C.ConfigError as e:
+        row["error"] = str(e)
+        return row, None
+    except (ValueError, RuntimeError, NotImplementedError) as e:
         row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return row, None
+    return row, (c, mesh, compiled, secs, gb)
+
+
+def evaluate_decode(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
+    """Compile one serving mesh's decode step; -> row with memory and the decode roofline."""
+    row, done = _compiled(cfg, devices, cand, K.compile_decode)
+    if done is None:
         return row
-    except (RuntimeError, NotImplementedError) as e:
-        row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        return row
+    c, mesh, compiled, secs, gb = done
     row.update(memory=K.memory_report(compiled, chip.hbm_bytes), global_batch=gb, compile_s=secs,
                estimate=K.decode_estimate(c, mesh, chip, *K.decode_inputs(c, mesh, gb), gb))
     return row
@@ -88,12 +99,12 @@ def evaluate_decode(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
 def decode_table(rows: list[dict]) -> str:
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
                 key=lambda r: (r["estimate"]["ms_per_token"], r["memory"]["total"]))
-    head = (f"{'rank':>4}  {'mesh':<44} {'batch':>5} {'context':>7} {'mem/dev GiB':>11} {'HBM%':>5} "
+    head = (f"{'rank':>4}  {'mesh':<52} {'batch':>5} {'context':>7} {'mem/dev GiB':>11} {'HBM%':>5} "
             f"{'ms/token':>8} {'tok/s/chip':>10}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
-        lines.append(f"{i:>4}  {r['mesh']:<44} {r['global_batch']:>5} {e['context']:>7} {m['total'] / TP.GiB:>11.2f} "
+        lines.append(f"{i:>4}  {r['mesh']:<52} {r['global_batch']:>5} {e['context']:>7} {m['total'] / TP.GiB:>11.2f} "
                      f"{100 * m['total'] / m['hbm']:>5.1f} {e['ms_per_token']:>8.2f} {e['tokens_per_s_per_chip']:>10.0f}")
     if ok:
         lines.append("ms/token and tok/s/chip: analytic decode roofline (HBM bytes, collective bytes at ICI bandwidth, "
@@ -106,19 +117,10 @@ def decode_table(rows: list[dict]) -> str:
 
 def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
     """Compile one candidate; -> row with memory, estimate, or the compiler's refusal."""
-    row = dict(cand)
-    try:
-        c = C.override(cfg, cand)
-        C.validate(c, num_devices=len(devices))
-        mesh = make_mesh(c, devices=devices)
-        row["mesh"] = K.mesh_desc(mesh)
-        compiled, secs, gb = K.compile_train(c, mesh)
-    except C.ConfigError as e:
-        row["error"] = str(e)
+    row, done = _compiled(cfg, devices, cand, K.compile_train)
+    if done is None:
         return row
-    except (RuntimeError, NotImplementedError) as e:  # HBM OOM at compile time and kernel refusals
-        row["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        return row
+    c, mesh, compiled, secs, gb = done
     mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
     comm = K.collective_bytes(c, abstract_state(c, mesh)[1]["params"], mesh)
     row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm["total"]),
@@ -133,12 +135,12 @@ def table(rows: list[dict], seq: int) -> str:
     # by memory, the candidate with more headroom first.
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
                 key=lambda r: (-round(r["estimate"]["tokens_per_s_per_chip"], 6), r["memory"]["total"]))
-    head = (f"{'rank':>4}  {'mesh':<44} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
+    head = (f"{'rank':>4}  {'mesh':<52} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
             f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
-        lines.append(f"{i:>4}  {r['mesh']:<44} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
+        lines.append(f"{i:>4}  {r['mesh']:<52} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
                      f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
                      f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
     if ok:
