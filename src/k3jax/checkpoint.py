@@ -186,12 +186,27 @@ def load_params(path: str | Path, abstract_params):
     d = resolve_params_dir(path)
     ckptr = ocp.StandardCheckpointer()
     try:
-        meta = ckptr.metadata(d)
+        # An item directory has no step-level _CHECKPOINT_METADATA; orbax logs a warning about it
+        # on every decode and serve start that means nothing here.
+        with _quiet("absl"):
+            meta = ckptr.metadata(d)
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
         raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
     _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
     _note_cast(getattr(meta, "item_metadata", meta), abstract_params, d)
     return ckptr.restore(d, abstract_params)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Warnings of ``logger`` off inside the block."""
+    log_ = logging.getLogger(logger)
+    level = log_.level
+    log_.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
 
 
 def _note_cast(meta, abstract, where) -> None:
@@ -287,7 +302,10 @@ def load_packed_experts(path: str | Path, abstract_packed):
         where[(key, leaf)] = (p, a)
     ckptr = ocp.StandardCheckpointer()
     try:
-        meta = ckptr.metadata(d)
+        # An item directory has no step-level _CHECKPOINT_METADATA; orbax logs a warning about it
+        # on every decode and serve start that means nothing here.
+        with _quiet("absl"):
+            meta = ckptr.metadata(d)
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
         raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
     _check_compatible(getattr(meta, "item_metadata", meta), target, d)
