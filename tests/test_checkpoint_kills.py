@@ -109,14 +109,16 @@ def test_sigkill_at_random_moments_never_tears_a_checkpoint(tmp_path):
             progressed += committed > before
             latest, problems = restore_problems(directory)
             torn += [f"kill {kill}: {p}" for p in problems]
-            assert latest is not None and latest >= committed, (kill, latest, committed)
+            # The newest step on disk is at least the last one the saver reported committed (none yet
+            # when a kill lands before the first save finished).
+            assert (latest or 0) >= committed, (kill, latest, committed)
     finally:
         zygote.kill()
         zygote.wait()
     print(f"{KILLS} kills in {time.time() - t0:.1f} s, {progressed} during a run that had committed a step, "
           f"last step {latest}, torn checkpoints found: {len(torn)}")
     assert not torn, torn
-    assert latest >= KILLS // 2 and progressed >= KILLS // 4   # the kills fell between and inside real saves
+    assert (latest or 0) >= KILLS // 2 and progressed >= KILLS // 4   # the kills fell between and inside real saves
 
 
 def test_a_full_disk_ends_the_run_with_one_line(tmp_path, capsys):
