@@ -222,6 +222,8 @@ SUBPROCESS = [
     ("k3jax.train", ["configs/base.yml", "dataset_type=jsonl", "dataset_path={nofield}", "tokenizer_path={demo_tok}",
                      "vocab_size=1024", "base_output_directory={tmp}/runs"], "nofield.jsonl"),
     ("conversion.hf_to_k3jax", [], "--hf_dir"),
+    # a process of its own: joining a job changes process-wide jax settings (gloo collectives)
+    ("k3jax.decode", ["configs/base.yml", "enable_distributed=true"], "enable_distributed=true"),
 ]
 
 

@@ -199,8 +199,14 @@ def maybe_initialize_distributed(cfg: Config) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     given = {"coordinator_address": m.coordinator_address, "num_processes": m.num_processes,
              "process_id": m.process_id}
-    jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None},
-                               initialization_timeout=m.jax_distributed_initialization_timeout)
+    try:
+        jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None},
+                                   initialization_timeout=m.jax_distributed_initialization_timeout)
+    except ValueError as e:   # auto-detection found no cluster (e.g. a plain host without the keys)
+        from k3jax.config import ConfigError
+        raise ConfigError(f"enable_distributed=true: {e} JAX found no TPU/GKE cluster to join; set "
+                          f"coordinator_address, num_processes and process_id, or launch with "
+                          f"scripts/local_pod.sh") from None
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
