@@ -185,16 +185,21 @@ def load_params(path: str | Path, abstract_params):
     offending parameters; values are cast to the target's dtypes."""
     d = resolve_params_dir(path)
     ckptr = ocp.StandardCheckpointer()
+    meta = _item_metadata(ckptr, d)
+    _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
+    _note_cast(getattr(meta, "item_metadata", meta), abstract_params, d)
+    return ckptr.restore(d, abstract_params)
+
+
+def _item_metadata(ckptr, d):
+    """The orbax metadata of the item directory ``d``, or CheckpointError when it is unreadable."""
     try:
         # An item directory has no step-level _CHECKPOINT_METADATA; orbax logs a warning about it
         # on every decode and serve start that means nothing here.
         with _quiet("absl"):
-            meta = ckptr.metadata(d)
+            return ckptr.metadata(d)
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
         raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
-    _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
-    _note_cast(getattr(meta, "item_metadata", meta), abstract_params, d)
-    return ckptr.restore(d, abstract_params)
 
 
 @contextlib.contextmanager
@@ -301,13 +306,7 @@ def load_packed_experts(path: str | Path, abstract_packed):
                                                                 np.uint8, sharding=swapped)
         where[(key, leaf)] = (p, a)
     ckptr = ocp.StandardCheckpointer()
-    try:
-        # An item directory has no step-level _CHECKPOINT_METADATA; orbax logs a warning about it
-        # on every decode and serve start that means nothing here.
-        with _quiet("absl"):
-            meta = ckptr.metadata(d)
-    except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
-        raise CheckpointError(f"{d}: not a readable orbax checkpoint ({type(e).__name__}: {e})") from e
+    meta = _item_metadata(ckptr, d)
     _check_compatible(getattr(meta, "item_metadata", meta), target, d)
     got = ckptr.restore(d, target)
     out, var = [], dict(flat)
