@@ -1,0 +1,320 @@
+"""The config schema: one frozen dataclass per section, each field a key with its default, help
+text and allowed choices. ``k3jax.config`` loads, coerces and validates values against it and
+re-exports every name here; modules import them from ``k3jax.config``."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+from k3jax.errors import UserError
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix; the message is one actionable line."""
+
+
+def _f(default, help: str, choices: tuple | None = None):  # noqa: A002 - mirrors argparse
+    kw = {"default_factory": (lambda d=default: list(d))} if isinstance(default, list) else {"default": default}
+    return dataclasses.field(metadata={"help": help, "choices": choices}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture. Defaults are a tiny K3-shaped model; configs/models/*.yml override them."""
+    vocab_size: int = _f(512, "vocabulary size (embedding and lm_head rows)")
+    hidden_size: int = _f(64, "model width D")
+    num_layers: int = _f(13, "decoder layers")
+    rms_norm_eps: float = _f(1e-5, "eps of input/post-attention/final/AttnRes/o_norm/latent norms")
+    initializer_range: float = _f(0.02, "std of normal init for embeddings and matrices")
+    tie_word_embeddings: bool = _f(False, "share embedding and lm_head")
+    max_position_embeddings: int = _f(4096, "context length recorded for export (HF config.json); decode sizes its cache from the prompt")
+    bos_token_id: int = _f(-1, "[BOS] id written to an exported HF config; k3jax reads special ids from the tokenizer (-1 = none)")
+    eos_token_id: int = _f(-1, "[EOS] id written to an exported HF config (-1 = none)")
+    pad_token_id: int = _f(-1, "padding id written to an exported HF config (-1 = none)")
+    # Layer schedule: MLA where l % mla_every == mla_every - 1, plus mla_extra_layers; KDA elsewhere.
+    mla_every: int = _f(4, "MLA period: layer l is MLA when l % mla_every == mla_every-1 (1 = all MLA, 0 = only mla_extra_layers)")
+    mla_extra_layers: list = _f([12], "further 0-based MLA layers (K3: [92]; Kimi Linear 48B: [26])")
+    first_k_dense: int = _f(1, "leading layers with a dense FFN; the rest use MoE")
+    # KDA
+    kda_num_heads: int = _f(2, "KDA heads")
+    kda_head_dim: int = _f(16, "KDA head dim (K = V)")
+    kda_conv_size: int = _f(4, "causal depthwise short-conv width")
+    kda_gate: str = _f("bounded", "decay gate: bounded = lb*sigmoid(exp(A)*(f+dt)) (K3); softplus (Kimi Linear)", ("bounded", "softplus"))
+    kda_gate_lower_bound: float = _f(-5.0, "lower bound of the bounded gate, per token")
+    kda_gate_rank: int = _f(16, "rank of the f_a/f_b decay projection")
+    kda_output_gate: str = _f("full", "output gate: full-rank g_proj (K3) or low_rank g_a/g_b (Kimi Linear)", ("full", "low_rank"))
+    kda_output_gate_rank: int = _f(16, "rank of the low-rank output gate")
+    # Gated MLA
+    num_attention_heads: int = _f(2, "MLA heads")
+    q_lora_rank: Optional[int] = _f(32, "query LoRA rank; null = direct q_proj")
+    kv_lora_rank: int = _f(32, "compressed KV latent width (cached)")
+    qk_nope_head_dim: int = _f(16, "per-head query/key dims without position")
+    qk_rope_head_dim: int = _f(8, "per-head 'rope' slice; the key slice is shared by all heads")
+    v_head_dim: int = _f(16, "per-head value dim")
+    mla_use_output_gate: bool = _f(True, "elementwise sigmoid output gate after attention (K3)")
+    mla_use_rope: bool = _f(False, "rotate the rope slice (K2/DeepSeek-V3); K3 and Kimi Linear are NoPE")
+    rope_theta: float = _f(10000.0, "RoPE base")
+    rope_scaling_factor: float = _f(1.0, "YaRN factor; 1 = no scaling")
+    rope_original_max_position: int = _f(4096, "YaRN original context length")
+    rope_beta_fast: float = _f(32.0, "YaRN beta_fast")
+    rope_beta_slow: float = _f(1.0, "YaRN beta_slow")
+    rope_mscale: float = _f(1.0, "YaRN mscale")
+    rope_mscale_all_dim: float = _f(0.0, "YaRN mscale_all_dim (softmax-scale correction)")
+    # FFN
+    ffn_activation: str = _f("situ", "GLU activation: situ (K3) or swiglu (Kimi Linear, K2)", ("situ", "swiglu"))
+    situ_beta: float = _f(4.0, "SiTU gate-branch beta")
+    situ_linear_beta: float = _f(25.0, "SiTU linear-branch beta")
+    intermediate_size: int = _f(128, "dense FFN width (layers < first_k_dense)")
+    # MoE
+    num_experts: int = _f(8, "routed experts")
+    num_experts_per_token: int = _f(2, "top-k")
+    num_shared_experts: int = _f(1, "shared experts (one fused MLP of width n * moe_intermediate_size)")
+    moe_intermediate_size: int = _f(32, "routed expert width F")
+    moe_latent_size: Optional[int] = _f(48, "latent width of routed experts (K3 LatentMoE); null = full width")
+    moe_latent_norm: bool = _f(True, "RMSNorm of the combined routed output in the latent (K3)")
+    routed_scaling_factor: float = _f(1.0, "multiplier of the routed combine weights")
+    moe_renormalize: bool = _f(True, "renormalise top-k weights to sum 1")
+    router_weights_from_biased: bool = _f(False, "gather weights from biased scores (Kimi Linear remote-code quirk)")
+    n_group: int = _f(1, "expert groups for grouped top-k")
+    topk_group: int = _f(1, "groups kept in grouped top-k")
+    experts_format: str = _f("dense", "routed-expert weights in memory: dense (weight_dtype) | mxfp4 (packed E2M1 codes + E8M0 "
+                             "scale per 32 inputs, 4.25 bits; decode/serve; training needs freeze=[experts])", ("dense", "mxfp4"))
+    # Block Attention Residuals
+    attn_res: bool = _f(True, "Block Attention Residuals (K3) instead of plain residual adds")
+    attn_res_block_size: int = _f(8, "decoder layers per AttnRes block (K3: 12)")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def mla_layer_set(self) -> frozenset:
+        p = self.mla_every
+        per = {l for l in range(self.num_layers) if p and l % p == p - 1}
+        return frozenset(per | set(self.mla_extra_layers))
+
+    def mixer(self, layer: int) -> str:
+        return "mla" if layer in self.mla_layer_set else "kda"
+
+    def ffn(self, layer: int) -> str:
+        return "dense" if layer < self.first_k_dense else "moe"
+
+    @property
+    def schedule(self) -> list[tuple[str, str]]:
+        """Per layer (mixer, ffn) kinds, e.g. [("kda", "dense"), ("kda", "moe"), ...]."""
+        return [(self.mixer(l), self.ffn(l)) for l in range(self.num_layers)]
+
+    @property
+    def attn_res_block_starts(self) -> list[int]:
+        if not self.attn_res:
+            return []
+        return list(range(0, self.num_layers, self.attn_res_block_size))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def routed_width(self) -> int:
+        """Width the routed experts see: the latent (K3) or the model width."""
+        return self.moe_latent_size or self.hidden_size
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
+    kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
+    attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
+                             "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
+    moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
+    moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
+    moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, instead of sort + ragged matmul; 0 = off")
+    capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
+    moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
+    pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
+    context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
+                                        ("allgather", "ring"))
+    loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps")
+    per_device_batch_size: float = _f(2, "sequences per device per step (fractions allowed when < 1 device row)")
+    max_target_length: int = _f(64, "sequence length")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    learning_rate: float = _f(3e-3, "peak learning rate")
+    lr_schedule: str = _f("wsd", "wsd | cosine | constant", ("wsd", "cosine", "constant"))
+    warmup_steps_fraction: float = _f(0.05, "fraction of steps spent warming up")
+    lr_decay_fraction: float = _f(0.2, "WSD: fraction of steps spent decaying to lr_final_fraction")
+    lr_final_fraction: float = _f(0.1, "final lr as a fraction of the peak")
+    opt_type: str = _f("muon", "muon | adamw", ("muon", "adamw"))
+    muon_consistent_rms: Optional[float] = _f(0.2, "Muon update RMS matching AdamW (Moonlight); null = off")
+    muon_weight_decay: float = _f(0.1, "decoupled weight decay of Muon leaves")
+    adam_weight_decay: float = _f(0.1, "decoupled weight decay of AdamW leaves")
+    adam_b1: float = _f(0.9, "AdamW beta1")
+    adam_b2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW eps")
+    mu_dtype: str = _f("float32", "dtype of optimizer moments", ("float32", "bfloat16"))
+    use_qk_clip: bool = _f(True, "MuonClip: rescale MLA q/k heads whose max logit exceeds the threshold")
+    qk_clip_threshold: float = _f(100.0, "QK-clip max-logit threshold tau")
+    gradient_clipping_threshold: float = _f(1.0, "global-norm gradient clip; 0 = off")
+    z_loss_weight: float = _f(0.0, "weight of the log(Z)^2 auxiliary loss")
+    router_bias_update_rate: float = _f(1e-3, "aux-loss-free bias update rate; 0 = frozen")
+    moe_aux_loss_coef: float = _f(0.0, "sequence-level balance loss weight")
+    nan_policy: str = _f("stop", "non-finite loss: stop (keep last good checkpoint) | skip the step", ("stop", "skip"))
+    freeze: list = _f([], "modules kept frozen: any of embed, attention, kda, mla, moe, experts, router, norms, lm_head")
+    seed: int = _f(0, "parameter-init and dropout seed")
+    dtype: str = _f("float32", "activation dtype", ("float32", "bfloat16"))
+    weight_dtype: str = _f("float32", "parameter dtype", ("float32", "bfloat16"))
+    remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
+    scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
+    log_period: int = _f(10, "steps between log lines")
+    peak_tflops: Optional[float] = _f(None, "peak TFLOP/s per device for MFU; null = known table or a CPU measurement")
+    enable_tensorboard: bool = _f(True, "write TensorBoard scalars")
+    profiler: str = _f("", "'' = off | xplane: a jax.profiler trace of profiler_steps steps into <run dir>/profile", ("", "xplane"))
+    skip_first_n_steps_for_profiler: int = _f(1, "profiler: steps of this run before the trace starts (the first step waits for compilation and input)")
+    profiler_steps: int = _f(5, "profiler: steps traced")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft"))
+    dataset_path: Optional[str] = _f(None, "glob of data files (not needed for synthetic)")
+    tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = the one recorded with load_parameters_path (<run>/tokenizer, or beside a converter output's params); a training run records its own there")
+    data_shuffle: bool = _f(True, "shuffle records")
+    data_seed: int = _f(42, "data order seed")
+    bad_data: str = _f("skip", "malformed records: skip (counted, warned) | fatal", ("skip", "fatal"))
+    text_key: str = _f("text", "JSON/Parquet field holding the text")
+    bad_data_check_records: int = _f(100, "records of each data source read and checked before the model is built (0 = no early check); also the count after which bad_data_max_fraction applies while training")
+    bad_data_max_fraction: float = _f(0.5, "stop when more than this fraction of the records read are malformed (skip policy)")
+    # Supervised fine-tuning (dataset_type=sft; see docs/fine-tuning.md)
+    sft_format: str = _f("messages", "SFT record layout: messages ({\"messages\": [{role, content}, ...]}) | hellaswag ({ctx, endings, label})", ("messages", "hellaswag"))
+    sft_default_system_prompt: bool = _f(True, "SFT: give conversations without a system message Kimi's default one, as the chat template does at inference")
+    sft_overlong: str = _f("truncate", "SFT conversation longer than max_target_length: truncate (keep the prompt, cut the end) | drop (counted)", ("truncate", "drop"))
+    num_epoch: int = _f(0, "passes over the training data; training stops early when they are used up (0 = repeat until steps)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    eval_dataset_path: Optional[str] = _f(None, "glob of evaluation files read like the training data (dataset_type, tokenizer, sft_format); null = no evaluation")
+    eval_interval: int = _f(100, "steps between evaluations (one also runs after the last step)")
+    eval_steps: int = _f(10, "batches per evaluation, the same batches every time; -1 = one pass over the evaluation files")
+    eval_per_device_batch_size: float = _f(0.0, "evaluation sequences per device; 0 = per_device_batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    base_output_directory: str = _f("runs", "root of run directories")
+    run_name: str = _f("tiny", "run directory name under base_output_directory")
+    enable_checkpointing: bool = _f(True, "save checkpoints")
+    checkpoint_period: int = _f(100, "steps between checkpoints (the last step is always saved)")
+    max_checkpoints_to_keep: int = _f(3, "keep the last K checkpoints")
+    async_checkpointing: bool = _f(True, "save in the background")
+    load_parameters_path: Optional[str] = _f(None, "start from these parameters (a checkpoint step dir, a run dir or a converter output)")
+    allow_missing_router_biases: bool = _f(False, "accept a load_parameters_path without router biases (its 'extra' item) and start them at zero")
+
+
+# The device mesh's axes, in mesh order; MeshConfig has an ici_/dcn_<axis>_parallelism key for each.
+# k3jax.sharding maps the logical axis names of arrays onto them.
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    ici_data_parallelism: int = _f(1, "data axis within a slice")
+    ici_fsdp_parallelism: int = _f(-1, "fsdp axis within a slice; -1 fills the remaining devices")
+    ici_context_parallelism: int = _f(1, "context axis within a slice: splits every sequence into contiguous slices")
+    ici_expert_parallelism: int = _f(1, "expert axis within a slice")
+    ici_tensor_parallelism: int = _f(1, "tensor axis within a slice")
+    dcn_data_parallelism: int = _f(1, "data axis across slices")
+    dcn_fsdp_parallelism: int = _f(1, "fsdp axis across slices")
+    dcn_context_parallelism: int = _f(1, "context axis across slices")
+    dcn_expert_parallelism: int = _f(1, "expert axis across slices")
+    dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
+    shard_params_over_all_axes: bool = _f(True, "also split non-expert weights over the fsdp/expert axes their rules leave "
+                                          "unused (training memory); false for serving meshes: replicated over expert, "
+                                          "tensor-split only, so decode never all-gathers them")
+    enable_distributed: bool = _f(False, "join a multi-process job with jax.distributed.initialize() before anything touches a device (multi-host TPU VMs, GKE, scripts/local_pod.sh)")
+    coordinator_address: Optional[str] = _f(None, "multi-host: host:port of process 0's coordinator; null = JAX's auto-detection (TPU VMs, GKE)")
+    num_processes: Optional[int] = _f(None, "multi-host: number of processes in the job; null = auto-detected")
+    process_id: Optional[int] = _f(None, "multi-host: this process's index in 0..num_processes-1; null = auto-detected")
+    jax_distributed_initialization_timeout: int = _f(300, "multi-host: seconds to wait for every process to join the coordinator")
+    jax_cache_dir: Optional[str] = _f(None, "persistent compilation cache directory (local or gs://), so a restart does not recompile; null = off (or JAX_COMPILATION_CACHE_DIR)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    prompt: str = _f("I love to", "text to continue")
+    max_new_tokens: int = _f(32, "tokens to generate per prompt")
+    max_prefill_length: int = _f(0, "prompt budget; 0 = max_target_length")
+    sampling: str = _f("greedy", "greedy | sample", ("greedy", "sample"))
+    temperature: float = _f(1.0, "softmax temperature (sample)")
+    top_k: int = _f(0, "keep the k most likely tokens; 0 = off")
+    top_p: float = _f(1.0, "nucleus probability mass; 1 = off")
+    decode_seed: int = _f(0, "sampling seed")
+    chat: bool = _f(False, "wrap the prompt in the Kimi chat template")
+    stream: bool = _f(True, "print tokens as they are produced")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    serve_host: str = _f("127.0.0.1", "serve: address to listen on (0.0.0.0 = every interface)")
+    serve_port: int = _f(8000, "serve: TCP port of the OpenAI-compatible HTTP API")
+    serve_max_batch: int = _f(8, "serve: decode slots (requests generating at once); each holds a cache of max_target_length tokens")
+    serve_max_queue: int = _f(64, "serve: requests waiting for a slot; more get HTTP 429")
+    serve_prefill_chunk: int = _f(256, "serve: prompt tokens prefilled per step between decode steps (compiled chunk sizes: powers of two from 32 up to it)")
+    serve_api_key: Optional[str] = _f(None, "serve: bearer token every /v1 request must carry; null = no key")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    golden: Optional[str] = _f(None, "logit_check: .npz with tokens [B,T] and reference logits [B,T,V]")
+    max_kl: float = _f(0.01, "logit_check: fail when the max per-token KL divergence exceeds this")
+    atol: float = _f(1.0, "logit_check: fail when the max absolute logit error exceeds this")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
+    compile_topology_num_slices: int = _f(1, "compile: slices of compile_topology joined over DCN (multi-slice); the dcn_*_parallelism product must equal it")
+    compile_step: str = _f("both", "compile: train | decode | both", ("train", "decode", "both"))
+    topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
+    plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
+    plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
+    plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
+    plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
+    plan_step: str = _f("train", "plan: which step ranks the meshes: train (fsdp x expert x data, tokens/s/chip) | decode "
+                        "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
+
+
+SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "serve": ServeConfig,
+            "check": CheckConfig, "compile": CompileConfig}
+TOP_LEVEL = ("model_name",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model_name: str
+    model: ModelConfig
+    kernel: KernelConfig
+    train: TrainConfig
+    data: DataConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    mesh: MeshConfig
+    decode: DecodeConfig
+    serve: ServeConfig
+    check: CheckConfig
+    compile: CompileConfig
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_name": self.model_name}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.checkpoint.base_output_directory) / self.checkpoint.run_name
+
+    def global_batch_size(self, num_devices: int) -> int:
+        return max(1, int(round(self.train.per_device_batch_size * num_devices)))
