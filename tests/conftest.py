@@ -49,7 +49,7 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gcs():
-    """A local GCS server (the pure-Python gcp-storage-emulator, in memory) for the whole session,
+    """A local GCS server (the pure-Python gcp-storage-emulator, in memory; tests/gcs_server.py) for the whole session,
     with one bucket; every client of this process and of the tools it starts finds it through the
     standard variables: STORAGE_EMULATOR_HOST (gcsfs, hence etils.epath), TENSORSTORE_GCS_HTTP_URL
     (tensorstore, hence orbax). Anonymous credentials; gcsfs's bucket-type lookup (a gRPC call that
@@ -62,8 +62,8 @@ def gcs():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=localhost", f"--port={port}",
-                             "--in-memory", "--default-bucket=k3jax-test"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "gcs_server.py"), str(port), "k3jax-test"],
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
     while True:

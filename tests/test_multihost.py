@@ -1,12 +1,13 @@
 """Multi-host for real: the training run as a pod of 2 processes x 2 CPU devices (scripts/local_pod.sh,
 gloo collectives) against one process with 4 devices, reading JSONL data through a glob and a
-tokenizer directory.
+tokenizer directory. Data, tokenizer, run directory and checkpoints are all on gs:// (the local GCS
+server of the ``gcs`` fixture), as on a pod whose hosts share nothing but a bucket.
 
 Three launches in all, chained by module fixtures, of a run of 8 steps (<= 5 steps each, one
 compilation cache; the in-process reference and launch 3 share a program, launches 1 and 2 another):
   1. 2 processes, SIGTERM once step 4 is logged: every process agrees on step 5, saves it, process 0
      prints one line, all exit 143; the losses equal the in-process 1 x 4 reference's (same global
-     batches).
+     batches); a profiler trace of step 2 lands in the run directory.
   2. the restart as 2 processes: resumes from the preemption checkpoint with each process's data
      iterator state, its losses continue the reference's; SIGTERM again after step 6 (saves 7).
   3. the restart as 1 process x 4 devices: orbax reshards the 2-process checkpoint, the data
@@ -163,18 +164,22 @@ def check_losses(got: dict, want: dict, rtol=1e-6):
     assert got, "no losses"
     for s, v in got.items():
         assert abs(v - want[s]) <= rtol * abs(want[s]), f"step {s}: loss {v!r} vs {want[s]!r} (1 process)"
+    worst = max(abs(v - want[s]) / abs(want[s]) for s, v in got.items())
+    print(f"steps {sorted(got)}: largest relative loss difference from 1 process {worst:.1e}")   # shown by -rP
 
 
 # ---- the pod launches ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The run's inputs and outputs: JSONL data (two files, a glob), a tokenizer and the run root,
-    on local disk (a 2-process orbax save to gcp-storage-emulator fails: see docs). ->
-    namespace(root=<run root path>, args=[the key=values])."""
+def store(gcs, tmp_path_factory):
+    """The run's inputs and outputs on gs://: JSONL data (two files, a glob), a tokenizer and the run
+    root. -> namespace(root=<run root, an epath>, args=[the key=values])."""
     import json
     import types
 
+    from etils import epath
+
+    from k3jax import paths
     from k3jax.data import tiny_tokenizer
     local = tmp_path_factory.mktemp("store")
     tiny_tokenizer.build(local / "tok", vocab_size=512, num_reserved=tiny_tokenizer.MIN_RESERVED)
@@ -184,9 +189,12 @@ def store(tmp_path_factory):
     (local / "data").mkdir()
     for i in range(2):
         (local / "data" / f"part-{i}.jsonl").write_text("\n".join(docs[i::2]) + "\n")
-    args = ["dataset_type=jsonl", f"dataset_path={local}/data/part-*.jsonl", f"tokenizer_path={local}/tok",
-            f"base_output_directory={local}/runs"]
-    return types.SimpleNamespace(root=local / "runs", args=args)
+    remote = f"{gcs.bucket}/multihost"
+    paths.upload(local / "data", f"{remote}/data")
+    paths.upload(local / "tok", f"{remote}/tok")
+    args = ["dataset_type=jsonl", f"dataset_path={remote}/data/part-*.jsonl", f"tokenizer_path={remote}/tok",
+            f"base_output_directory={remote}/runs"]
+    return types.SimpleNamespace(root=epath.Path(f"{remote}/runs"), args=args)
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +202,9 @@ def run_root(store):
     return store.root
 
 
-def preempt_after(store, step):
+def preempt_after(store, step, *extra):
     """A 2 x 2 pod of the run, sent SIGTERM once ``step`` is logged."""
-    pod = Launch(pod_cmd(2, 2, "train", *MH, *store.args, "run_name=r", f"steps={STEPS}"))
+    pod = Launch(pod_cmd(2, 2, "train", *MH, *store.args, "run_name=r", f"steps={STEPS}", *extra))
     pod.wait_for(rf"^\[0\] step {step}/")
     os.kill(pod.proc.pid, signal.SIGTERM)
     return pod, pod.finish()
@@ -207,6 +215,7 @@ def check_preempted(pod, rc, run_root, saved_step):
     assert rc == 143, out
     notes = [x for x in pod.lines if "preempted (SIGTERM)" in x]
     assert len(notes) == 1 and notes[0].startswith("[0] "), out        # one line, from process 0
+    print(notes[0])
     assert int(re.search(r"checkpoint (\d+) saved", notes[0]).group(1)) == saved_step, out
     step_dir = run_root / "r" / "checkpoints" / str(saved_step)
     assert (step_dir / "commit_success.txt").exists()
@@ -218,8 +227,8 @@ def check_preempted(pod, rc, run_root, saved_step):
 
 @pytest.fixture(scope="module")
 def preempted(store):
-    """Launch 1: 2 x 2 devices from scratch, SIGTERM after step 4."""
-    return preempt_after(store, 4)
+    """Launch 1: 2 x 2 devices from scratch, SIGTERM after step 4; a profile of step 2."""
+    return preempt_after(store, 4, "profiler=xplane", "skip_first_n_steps_for_profiler=1", "profiler_steps=1")
 
 
 def test_sigterm_saves_an_agreed_step_and_exits_143(preempted, run_root, reference):
@@ -230,6 +239,12 @@ def test_sigterm_saves_an_agreed_step_and_exits_143(preempted, run_root, referen
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert metrics_losses(run_root / "r") == pytest.approx(losses, rel=1e-4)   # the log's 4 decimals
     check_losses(metrics_losses(run_root / "r"), reference)
+    assert [x for x in pod.lines if "wrote a profile of steps 2..2" in x], pod.text()
+    from etils import epath
+
+    from k3jax import paths
+    traces = paths.glob(f"{run_root}/r/profile/plugins/profile/*/*.xplane.pb")
+    assert len(traces) == 1 and epath.Path(traces[0]).read_bytes(), traces   # process 0 traced, uploaded to gs://
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +280,10 @@ def test_restart_as_one_process_reshards(elastic, run_root):
     assert len(notes) == 1 and "saved by 2 process(es), this run has 1" in notes[0], p.text()
     last = metrics_losses(run_root / "r")[STEPS]
     assert np.isfinite(last)
+    assert not (REPO / "gs:").exists()   # a gs:// run directory never becomes a local folder
+    from k3jax import paths
+    objects = paths.glob(f"{run_root}/r/**")
+    print(f"the run directory on gs:// holds {len(objects)} objects after 3 launches and {STEPS} steps")
 
 
 # ---- decode and logit_check as a pod of 2 processes (one launch) -------------------------------
