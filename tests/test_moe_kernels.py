@@ -52,7 +52,7 @@ def _gmm_numpy(lhs, rhs, sizes):
     return out                                    # rows past sum(sizes) stay 0
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "megablox", "dense"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "megablox", "blocked", "dense"])
 @pytest.mark.parametrize("sizes", [[5, 0, 9, 3, 0], [0, 0, 20, 0, 0], [4, 4, 4, 4, 4]],
                          ids=["empty-groups+tail-rows", "one-group", "full"])
 def test_grouped_matmul_matches_numpy(impl, sizes):
@@ -138,7 +138,7 @@ def _problem(dtype, routing):
     return x, weights, wg, wu, wd, idx, ct
 
 
-PATHS = ["dropless-ragged_dot", "dropless-megablox", "dropless-dense", "capacity-huge"]
+PATHS = ["dropless-ragged_dot", "dropless-megablox", "dropless-blocked", "dropless-dense", "capacity-huge"]
 
 
 @pytest.mark.parametrize("routing", ["random", "ties", "one-expert", "empty-experts"])
@@ -173,6 +173,29 @@ def test_few_token_path_rule():
     assert few_token_path(2, 4, 32, 64) == "gather"
     assert few_token_path(3, 4, 32, 64) == "onehot"
     assert few_token_path(64, 4, 32, 64) == "onehot"
+    assert few_token_path(2, 4, 32, 64, onehot=False) == "gather"   # moe_impl=blocked
+    assert few_token_path(3, 4, 32, 64, onehot=False) is None
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_blocked_grouped_matmul_any_block_size(block):
+    """Groups spanning several blocks, empty groups, rows past the groups, and one block per
+    row or one for all: the same as ragged_dot, output and both gradients."""
+    from k3jax.kernels.moe.blocked import blocked_grouped_matmul
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    sizes = jnp.asarray([7, 0, 13, 1, 0, 9], jnp.int32)            # 30 of 33 rows
+    lhs, rhs = jax.random.normal(k1, (33, 12)), jax.random.normal(k2, (6, 12, 10))
+    ct = jax.random.normal(k3, (33, 10))
+
+    def run(f):
+        return jax.value_and_grad(lambda a, b: jnp.sum(f(a, b) * ct), argnums=(0, 1))(lhs, rhs)
+
+    got = run(lambda a, b: blocked_grouped_matmul(a, b, sizes, block=block))
+    want = run(lambda a, b: jax.lax.ragged_dot(a, b, sizes))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_rms(g, w) < 1e-6
+    assert not np.any(np.asarray(jax.grad(lambda a: jnp.sum(blocked_grouped_matmul(a, rhs, sizes, block=block)
+                                                           * ct))(lhs))[30:])   # no gradient past the groups
 
 
 @pytest.mark.parametrize("path,n", [("few-gather", 3), ("few-onehot", N)])

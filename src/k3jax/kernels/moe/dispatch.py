@@ -151,7 +151,8 @@ def moe_dropless(x, weights, idx, w_gate, w_up, w_down, act: Act, *, impl: str =
     return combine(weights, y)
 
 
-def few_token_path(num_tokens: int, top_k: int, num_experts: int, max_tokens: int) -> str | None:
+def few_token_path(num_tokens: int, top_k: int, num_experts: int, max_tokens: int,
+                   onehot: bool = True) -> str | None:
     """Which few-token dispatch `moe_few_tokens` runs for N tokens, or None for the dropless path.
 
     `max_tokens` is the config's `moe_gather_max_tokens` (0 = off). At or below it (decode steps,
@@ -167,10 +168,15 @@ def few_token_path(num_tokens: int, top_k: int, num_experts: int, max_tokens: in
     Measured at D=512, F=256, E=32, k=4 on 2 shared CPU cores (ms per call, dropless / gather /
     onehot): N=1 77 / 3.2 / 10; N=2 89 / 7.7 / 12; N=4 91 / 18 / 5.5; N=32 168 / 326 / 13.
     The choice depends only on static shapes, so one compiled program never switches path.
+    `onehot=False` (the layer passes it with `moe_impl=blocked`) leaves the one-hot range to the
+    dropless path: the blocked grouped matmul computes only the needed rows and beat one-hot
+    there (same shapes, ms: N=8 5.8 vs 8.5; N=32 13 vs 24; N=64 14 vs 44).
     """
     if max_tokens <= 0 or num_tokens > max_tokens:
         return None
-    return "gather" if 4 * num_tokens * top_k <= num_experts else "onehot"
+    if 4 * num_tokens * top_k <= num_experts:
+        return "gather"
+    return "onehot" if onehot else None
 
 
 def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str | None = None) -> jax.Array:
