@@ -1,8 +1,9 @@
 """AOT compilation for TPU topologies (k3jax.compile / k3jax.topology) and the FLOPs formulas.
 
 The topology test compiles a 4-layer tiny K3 (KDA, MLA, dense and MoE FFNs, AttnRes) with libtpu
-for v5p:2x2x1 from this CPU host; it skips only when libtpu cannot describe a TPU topology. The
-FLOPs test compares counts.forward_flops_per_token with XLA:CPU's cost analysis of the forward.
+for v5p:2x2x1 from this CPU host, its sequence split over context=4; it skips only when libtpu
+cannot describe a TPU topology. The FLOPs test compares counts.forward_flops_per_token with
+XLA:CPU's cost analysis of the forward.
 """
 import jax
 import jax.numpy as jnp
@@ -39,9 +40,15 @@ def test_main_reports_config_errors(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_compiled():
+    """The train step with the sequence split four ways (context=4 on the 4 chips): the
+    context-parallel KDA, short conv and MLA kernels lower under libtpu, and every weight is
+    still split over the chips (parameters shard over the context axis as over fsdp) and
+    gathered for its matmuls. One compile serves all the tests below. Without remat: on a loaded
+    2-core host the compile took 52 s of CPU for fsdp=4 with full remat, 95 s for context=4 with
+    full remat and 74 s for context=4 without."""
     if not TP.libtpu_available():
         pytest.skip("libtpu is not installed: no TPU compiler")
-    cfg = C.load_from_argv(TINY4)
+    cfg = C.load_from_argv(TINY4 + ["ici_context_parallelism=4", "ici_fsdp_parallelism=1", "remat_policy=none"])
     topo, mesh = K.topology_mesh(cfg, "v5p:2x2x1")
     compiled, secs, gb = K.compile_train(cfg, mesh)
     return cfg, topo, mesh, compiled, gb
@@ -50,7 +57,10 @@ def tiny_compiled():
 def test_tiny_train_step_compiles_for_v5p(tiny_compiled):
     cfg, topo, mesh, compiled, gb = tiny_compiled
     assert mesh.devices.size == 4 and mesh.devices.flat[0].platform == "tpu"
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}
     assert gb == 8
+    # The context kernels' ppermutes (conv halos, the previous slice's last segment id).
+    assert "collective-permute" in compiled.as_text()
     mem = K.memory_report(compiled, topo.chip.hbm_bytes)
     assert mem["arguments"] > 0 and mem["temporaries"] > 0
     assert 0 < mem["total"] < mem["hbm"] and mem["fits"]
@@ -99,8 +109,16 @@ def test_plan_candidates_and_overrides():
     narrow = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-1024", "plan_expert_parallelism=[64, 7]",
                                "plan_data_parallelism=[1]", "plan_remat_policies=[full]", "plan_batch_sizes=[1]"])
     assert PL.candidates(narrow, 1024) == [{"ici_expert_parallelism": 64, "ici_data_parallelism": 1,
-                                            "ici_fsdp_parallelism": -1, "remat_policy": "full",
-                                            "per_device_batch_size": 1.0}]   # 7 does not divide 1024
+                                            "ici_context_parallelism": 1, "ici_fsdp_parallelism": -1,
+                                            "remat_policy": "full", "per_device_batch_size": 1.0}]   # 7 does not divide 1024
+    # Context sizes: 3 divides neither the 16 devices left beside expert=64 nor 4096 tokens; 32
+    # does not divide the 16 devices.
+    long = C.override(narrow, {"plan_context_parallelism": [1, 3, 4, 16, 32]})
+    cands = PL.candidates(long, 1024)
+    assert [c["ici_context_parallelism"] for c in cands] == [1, 4, 16]
+    c = C.override(long, cands[-1])
+    C.validate(c, num_devices=1024)
+    assert C.mesh_shape(c, 1024, 1)[0] == {"data": 1, "fsdp": 1, "context": 16, "expert": 64, "tensor": 1}
 
 
 def test_plan_table_ranks_equal_bounds_by_memory():
@@ -132,11 +150,29 @@ def test_weight_collective_bytes_by_hand():
         {"weight_gather": 0.0, "grad_reduce": 0.0}
 
 
+def test_context_collective_bytes_by_hand():
+    """base.yml's model (13 layers, 4 MLA: 9 KDA with H=2, K=V=16, conv 4; latent 32 + rope 8),
+    T=64, per_device_batch_size=2, f32 activations, context=4, no remat (2 passes)."""
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["ici_context_parallelism=4"])
+    m = cfg.model
+    assert (m.num_layers, len(m.mla_layer_set), m.kda_num_heads, m.kda_head_dim, m.kda_conv_size,
+            m.kv_lora_rank + m.qk_rope_head_dim, cfg.train.dtype) == (13, 4, 2, 16, 4, 40, "float32")
+    # MLA: 3 of the 4 slices' latents, 2 x 64 tokens of 40 f32 values; KDA: rows = 2 x 4 = 8,
+    # 3 maps of 2 x 16 x (16 + 16) f32 per row, and 3 halo tokens x 3 convs x 32 channels per row.
+    mla = 3 * 128 * 40 * 4
+    maps, halo = 3 * 8 * 2 * 16 * 32 * 4, 8 * 3 * 3 * 32 * 4
+    assert K.context_collective_bytes(cfg, 4, passes=2) == 2 * (4 * mla + 9 * (maps + halo))
+    ring = C.override(cfg, {"context_parallel_strategy": "ring"})    # one [2, 16, 16] state per round
+    assert K.context_collective_bytes(ring, 4, passes=2) == 2 * (4 * mla + 9 * (maps // 2 + halo))
+    assert K.context_collective_bytes(cfg, 1, passes=2) == 0.0
+
+
 def test_collective_estimate_on_the_tiny_compile(tiny_compiled):
     cfg, topo, mesh, compiled, gb = tiny_compiled
     comm = K.collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh)
-    assert comm["weight_gather"] > 0 and comm["total"] == pytest.approx(sum(
-        comm[k] for k in ("weight_gather", "grad_reduce", "expert_all_to_all")))
+    assert comm["weight_gather"] > 0 and comm["context_exchange"] > 0 and comm["total"] == pytest.approx(sum(
+        comm[k] for k in ("weight_gather", "grad_reduce", "expert_all_to_all", "context_exchange")))
     est = K.train_estimate(cfg, gb, 4, topo.chip, K.cost_report(compiled), comm["total"])
     assert est["t_ici"] == pytest.approx(comm["total"] / topo.chip.ici_bandwidth)
     assert est["step_s"] == max(est["t_compute"], est["t_memory"], est["t_ici"])
+

@@ -146,3 +146,26 @@ def test_abstract_counts_match_config(name):
     assert total == counts.param_counts(cfg.model)[0]
     if name == "kimi-k3":
         assert abs(total / 2.78e12 - 1) < 0.005
+
+
+def test_k3_decode_cache_at_1m_tokens_matches_cache_spec():
+    """counts.decode_cache_bytes against the shards model.cache_spec's leaves get on a context=16
+    mesh (cache_seq -> context), for one 1M-token sequence of the full K3 (abstract, nothing
+    allocated): the docs' cache table comes from this function."""
+    from jax.sharding import AbstractMesh, AxisType
+    k3 = cfg_of("model_name=kimi-k3")
+    gdef, state, _ = abstract_state(k3)
+    spec = nnx.merge(gdef, state["params"], state["rest"]).cache_spec(1, 2 ** 20)
+    for cp in (1, 16):
+        mesh = AbstractMesh((1, 1, cp, 1, 1), S.MESH_AXES, axis_types=(AxisType.Auto,) * 5)
+        got = 0
+        for shape, dtype, axes in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3
+                                                   and isinstance(x[0], tuple)):
+            local = S.sharding_for(mesh, shape, axes).shard_shape(shape)
+            got += int(np.prod(local)) * jnp.dtype(dtype).itemsize
+        want = counts.decode_cache_bytes(k3.model, 2 ** 20, context=cp)
+        assert got == want["total"], (cp, got, want)
+    # 24 MLA layers x 2^20 tokens x (512 + 64) f32 values = 54 GiB on one chip, 3.4 GiB per shard of 16;
+    # 69 KDA layers x 96 heads x 128 x 128 f32 states (+ conv tails) = 0.42 GiB per sequence, unsplit.
+    assert want["mla_latent"] == 24 * 2 ** 16 * 576 * 4
+    assert want["kda_state"] == 69 * 96 * 128 * 128 * 4

@@ -181,6 +181,8 @@ def test_ep_rejects_bad_layouts():
         moe_expert_parallel(x, w, idx, bad, wu, wd, swiglu, mesh=mesh, **AXES)
     with pytest.raises(ValueError, match="capacity_factor"):
         moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, **AXES, mode="capacity")
+    with pytest.raises(ValueError, match="row_axes"):
+        moe_expert_parallel(x, w, idx, wg, wu, wd, swiglu, mesh=mesh, **AXES, row_axes=("expert", "fsdp"))
 
 
 def test_dispatch_bytes_per_token_k3():

@@ -192,8 +192,39 @@ def collective_bytes(cfg, params, mesh) -> dict:
         rows *= k.capacity_factor
     act = jnp.dtype(cfg.train.dtype).itemsize
     out["expert_all_to_all"] = 2 * passes * moe_layers * rows * width * act * (ep - 1) / ep
+    out["context_exchange"] = context_collective_bytes(cfg, mesh.shape.get("context", 1), passes)
     out["total"] = sum(out.values())
     return out
+
+
+def context_collective_bytes(cfg, cp: int, passes: int) -> float:
+    """Analytic ICI bytes one device receives per train step for context parallelism over ``cp``
+    sequence slices (0 when cp = 1), each pass (forward, remat's re-forward, backward: the
+    transposes move the same volume back) of every layer:
+
+    - MLA all-gathers its slice's compressed latent and rope key (kv_lora_rank + qk_rope_head_dim
+      values per token, activation dtype) from the cp - 1 other shards;
+    - KDA combines the slices' affine state maps in f32: with ``allgather`` every (Phi, Psi)
+      [rows, H, K, K + V]; with ``ring`` cp - 1 rounds of one [rows, H, K, V] state;
+    - the short convs take the previous slice's last kda_conv_size - 1 inputs of q, k and v (f32).
+
+    Per device: pdb x T tokens in rows = pdb x cp sequence rows of T / cp tokens (pdb =
+    per_device_batch_size). Segment-id halos, the final-state psum and QK-clip's pmax are left out
+    (a few bytes per row)."""
+    if cp <= 1:
+        return 0.0
+    m, t = cfg.model, cfg.train
+    tokens = t.per_device_batch_size * t.max_target_length
+    rows = t.per_device_batch_size * cp
+    act = jnp.dtype(t.dtype).itemsize
+    mla = len(m.mla_layer_set)
+    kda = m.num_layers - mla
+    h, dk = m.kda_num_heads, m.kda_head_dim
+    latent = (cp - 1) * tokens * (m.kv_lora_rank + m.qk_rope_head_dim) * act
+    state = h * dk * (dk + dk if cfg.kernel.context_parallel_strategy == "allgather" else dk) * 4
+    maps = (cp - 1) * rows * state
+    halo = rows * (m.kda_conv_size - 1) * 3 * h * dk * 4
+    return float(passes * (mla * latent + kda * (maps + halo)))
 
 
 def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0) -> dict:
@@ -353,7 +384,9 @@ def run(cfg, out=print) -> dict:
             f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "
             f"with remat {est['executed_flops_per_device']:.3e}; XLA bytes accessed {cost['bytes']:.3e}")
         out(f"train collectives per device (analytic, lower bound): weight all-gathers {comm['weight_gather']:.3e} B, "
-            f"gradient reductions {comm['grad_reduce']:.3e} B, expert all-to-alls {comm['expert_all_to_all']:.3e} B")
+            f"gradient reductions {comm['grad_reduce']:.3e} B, expert all-to-alls {comm['expert_all_to_all']:.3e} B, "
+            f"context-parallel exchanges {comm['context_exchange']:.3e} B (context={mesh.shape.get('context', 1)}: "
+            f"{cfg.train.max_target_length // mesh.shape.get('context', 1)} tokens per slice)")
         out(f"train roofline bound at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
             f"HBM, {chip.ici_bandwidth / 1e9:.0f} GB/s ICI per device, all overlapped): step >= {est['step_s']:.3f}s "
             f"(compute {est['t_compute']:.3f}s, memory {est['t_memory']:.3f}s, collectives {est['t_ici']:.3f}s), "

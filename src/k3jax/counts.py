@@ -119,6 +119,29 @@ def train_flops_per_token(m, seq_len: int, kda_chunk: int = 64) -> float:
     return 3.0 * forward_flops_per_token(m, seq_len, kda_chunk)
 
 
+def decode_cache_bytes(m, length: int, *, context: int = 1, latent_bytes: int = 4, state_bytes: int = 4) -> dict:
+    """Decode cache of one sequence of ``length`` tokens, per device of a ``context``-way split
+    (the MLA latent's cache_seq axis maps to the context mesh axis; KDA's state is length-free and
+    whole on every context shard). -> bytes per entry and "total".
+
+    - mla_latent: T x (kv_lora_rank + qk_rope_head_dim) per MLA layer (the compressed latent and
+      the shared rope key: all MLA caches), split over the context shards;
+    - kda_state: the recurrent state H x dk x dv per KDA layer;
+    - kda_conv: the last kda_conv_size - 1 inputs of the q, k and v convs, 3 x P x (W - 1).
+
+    ``latent_bytes`` / ``state_bytes``: bytes per value (model.cache_spec keeps both in f32: 4;
+    a bf16 cache halves the latent). Batch rows multiply everything; a tensor axis would further
+    split the KDA heads (not counted here)."""
+    n_mla = len(m.mla_layer_set)
+    n_kda = m.num_layers - n_mla
+    h, dk = m.kda_num_heads, m.kda_head_dim
+    out = {"mla_latent": n_mla * -(-length // context) * (m.kv_lora_rank + m.qk_rope_head_dim) * latent_bytes,
+           "kda_state": n_kda * h * dk * dk * state_bytes,
+           "kda_conv": n_kda * 3 * h * dk * (m.kda_conv_size - 1) * state_bytes}
+    out["total"] = sum(out.values())
+    return out
+
+
 def human(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

@@ -2,8 +2,10 @@
 
     python -m k3jax.plan configs/base.yml model_name=kimi-k3 topology=tpu7x-1024 max_target_length=4096
 
-Candidates are (expert parallelism, data parallelism, remat policy, per-device batch) with fsdp
-filling the remaining devices of the slice, from the plan_* keys; expert parallelism defaults to
+Candidates are (expert parallelism, data parallelism, context parallelism, remat policy,
+per-device batch) with fsdp filling the remaining devices of the slice, from the plan_* keys
+(``plan_context_parallelism``, default [1]: at 128K tokens one sequence's activations need several
+chips, so try e.g. [8, 16] with plan_batch_sizes below 1); expert parallelism defaults to
 the three largest common divisors of num_experts and the device count (experts dominate K3's
 memory). Every candidate's train step is
 compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table
@@ -43,10 +45,14 @@ def candidates(cfg, num_devices: int) -> list[dict]:
         for dp in c.plan_data_parallelism:
             if (num_devices // ep) % int(dp):
                 continue
-            for remat in c.plan_remat_policies:
-                for pdb in c.plan_batch_sizes:
-                    out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": int(dp), "ici_fsdp_parallelism": -1,
-                                "remat_policy": str(remat), "per_device_batch_size": float(pdb)})
+            for cp in c.plan_context_parallelism:
+                if (num_devices // ep // int(dp)) % int(cp) or cfg.train.max_target_length % int(cp):
+                    continue
+                for remat in c.plan_remat_policies:
+                    for pdb in c.plan_batch_sizes:
+                        out.append({"ici_expert_parallelism": ep, "ici_data_parallelism": int(dp),
+                                    "ici_context_parallelism": int(cp), "ici_fsdp_parallelism": -1,
+                                    "remat_policy": str(remat), "per_device_batch_size": float(pdb)})
     return out
 
 
@@ -152,7 +158,8 @@ def table(rows: list[dict], seq: int) -> str:
         for r in rejected:
             why = r.get("error") or f"needs {r['memory']['total'] / TP.GiB:.1f} GiB per device"
             lines.append(f"      expert={r['ici_expert_parallelism']} data={r['ici_data_parallelism']} "
-                         f"remat={r['remat_policy']} batch/dev={r['per_device_batch_size']:g}: {why}")
+                         f"context={r.get('ici_context_parallelism', 1)} remat={r['remat_policy']} "
+                         f"batch/dev={r['per_device_batch_size']:g}: {why}")
     return "\n".join(lines)
 
 
@@ -172,7 +179,8 @@ def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
         status = r.get("error") or (f"{r['memory']['total'] / TP.GiB:.1f} GiB/dev, "
                                     f"{r['estimate']['tokens_per_s_per_chip']:.0f} tok/s/chip")
         out(f"[{i}/{len(cands)}] expert={cand['ici_expert_parallelism']} data={cand['ici_data_parallelism']} "
-            f"remat={cand['remat_policy']} batch/dev={cand['per_device_batch_size']:g}: {status}")
+            f"context={cand['ici_context_parallelism']} remat={cand['remat_policy']} "
+            f"batch/dev={cand['per_device_batch_size']:g}: {status}")
         rows.append(r)
     out(table(rows, cfg.train.max_target_length))
     return rows

@@ -281,6 +281,7 @@ class CompileConfig:
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
     plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
+    plan_context_parallelism: list = _f([1], "plan: context parallelism sizes to try (sequence slices; sizes not dividing the devices or max_target_length are skipped)")
     plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
     plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
     plan_step: str = _f("train", "plan: which step ranks the meshes: train (fsdp x expert x data, tokens/s/chip) | decode "

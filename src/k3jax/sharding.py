@@ -52,9 +52,13 @@ def _axes(name: str) -> tuple[str, ...]:
 # as arguments: kernels/ never import this module).
 BATCH_AXES = _axes("batch")                                # rows of every activation
 EXPERT_AXIS = RULES["exp"]                                 # routed experts
-TOKEN_AXES = tuple(a for a in BATCH_AXES if a != EXPERT_AXIS)  # token axes besides the expert axis
 HEAD_AXIS = RULES["act_heads"]                             # attention / KDA heads of activations
 CONTEXT_AXIS = RULES["seq"]                                # contiguous sequence slices (layers/context.py)
+# The MoE layer flattens [B, T] tokens into rows: B split over the batch axes, T over the context
+# axis, so the rows lie in this order over the mesh, and every sequence slice is a token shard
+# of the expert-parallel dispatch (not gathered and computed context-fold).
+MOE_ROW_AXES = BATCH_AXES + (CONTEXT_AXIS,)
+TOKEN_AXES = tuple(a for a in MOE_ROW_AXES if a != EXPERT_AXIS)  # token axes besides the expert axis
 WEIGHT_EMBED_AXES = _axes("embed")                         # the model-width (FSDP) axis of weights
 EXPERT_FFN_AXIS = RULES["mlp"]                             # the F axis of routed-expert weights
 

@@ -117,9 +117,12 @@ class MoE(nnx.Module):
                                  "implement; set moe_ep_transport=padded on CPU")
             # F stays sharded over the tensor axis (expert x tensor parallelism), never gathered.
             ffn_axis = S.EXPERT_FFN_AXIS if mesh.shape.get(S.EXPERT_FFN_AXIS, 1) > 1 else None
+            # Rows in the layout the flattened [B, T] tokens already have (sequence slices are
+            # token shards); axes a hand-built mesh lacks are left out.
+            rows = tuple(a for a in S.MOE_ROW_AXES if a in mesh.shape)
             r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
-                                    ffn_axis=ffn_axis,
-                                    token_axes=S.TOKEN_AXES, impl=k.moe_impl,
+                                    ffn_axis=ffn_axis, row_axes=rows,
+                                    token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=k.moe_impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
                                     transport=k.moe_ep_transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
                                     interpret=k.pallas_interpret)

@@ -218,7 +218,8 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
                         impl: str = "ragged_dot", mode: str = "dropless",
                         capacity_factor: float | None = None, transport: str = "ragged",
                         weight_d_axes: tuple[str, ...] | None = None, interpret: bool = False,
-                        tiling: tuple[int, int, int] = (128, 128, 128), ffn_axis: str | None = None):
+                        tiling: tuple[int, int, int] = (128, 128, 128), ffn_axis: str | None = None,
+                        row_axes: tuple[str, ...] | None = None):
     """Expert-parallel MoE; same results as the single-device functions (module docstring).
 
     Args:
@@ -239,12 +240,21 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
       ffn_axis: a mesh axis (not a token axis; e.g. tensor) sharding the experts' F dim: every
         device of it gets the same tokens, runs its F slice, and the down projections are psum'd
         over it in f32 (expert x tensor parallelism for serving: no expert is ever gathered).
+      row_axes: the order of the mesh axes splitting the N rows, a permutation of
+        (*token_axes, expert_axis) (the default). Which rows a device holds does not change the
+        result; passing the layout the caller's rows already have (e.g. [B, T] flattened with B over
+        (data, fsdp, expert) and T over context: (data, fsdp, expert, context)) spares the
+        permutation of every token at the shard_map boundary.
     Returns:
-      dropless: out [N, D] f32 sharded P((*token_axes, expert_axis), None).
+      dropless: out [N, D] f32 sharded P(row_axes, None).
       capacity: (out, dropped_fraction f32 scalar over the whole batch).
     """
     token_axes = tuple(token_axes)
     batch_axes = (*token_axes, expert_axis)
+    if row_axes is not None:
+        if sorted(row_axes) != sorted(batch_axes):
+            raise ValueError(f"row_axes {tuple(row_axes)} must order the axes {batch_axes}")
+        batch_axes = tuple(row_axes)
     missing = [a for a in batch_axes if a not in mesh.shape]
     if missing:
         raise ValueError(f"mesh {dict(mesh.shape)} lacks axes {missing}")
