@@ -41,7 +41,7 @@ def test_pallas_interpret_matches_reference(case):
 
 
 def test_no_silent_fallback_off_tpu():
-    assert set(KDA_IMPLS) == {"reference", "chunked", "pallas_tpu"}
+    assert set(KDA_IMPLS) == {"reference", "chunked", "pallas_tpu", "tokamax"}
     assert jax.default_backend() != "tpu"
     q = jnp.zeros((1, 8, 1, 16))
     with pytest.raises(RuntimeError, match="interpret=True"):

@@ -271,6 +271,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     if k.kda_chunk_size < 16 or k.kda_chunk_size & (k.kda_chunk_size - 1):
         raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a power of two >= 16 (e.g. 64; the "
                           "chunked kernels split chunks into 16-token sub-blocks)")
+    _validate_tokamax_kda(cfg)
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     sv = cfg.serve
@@ -294,6 +295,24 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
         raise ConfigError(f"kda_impl=pallas_tpu compiles TPU kernels but the devices here are {platform}; "
                           f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")
+
+
+def _validate_tokamax_kda(cfg: Config) -> None:
+    """kda_impl=tokamax: tokamax fuses only the bounded (K3) gate and runs only 64-token chunks."""
+    k, m = cfg.kernel, cfg.model
+    if k.kda_impl != "tokamax":
+        return
+    if m.kda_gate != "bounded" or not -5.0 <= m.kda_gate_lower_bound < 0.0:
+        raise ConfigError(f"kda_impl=tokamax needs kda_gate=bounded with kda_gate_lower_bound in [-5, 0) (got "
+                          f"{m.kda_gate}, {m.kda_gate_lower_bound}); use kda_impl=chunked for this model")
+    if k.kda_chunk_size != 64:
+        raise ConfigError(f"kda_impl=tokamax runs 64-token chunks only; set kda_chunk_size=64 (got {k.kda_chunk_size})")
+    if k.kda_tokamax_max_segments < 1:
+        raise ConfigError(f"kda_tokamax_max_segments={k.kda_tokamax_max_segments}: must be >= 1")
+    ici, dcn = _axis_sizes(cfg)
+    if ici["context"] != 1 or dcn["context"] != 1:
+        raise ConfigError("kda_impl=tokamax does not run under context parallelism here; use kda_impl=chunked or "
+                          "pallas_tpu, or ici_/dcn_context_parallelism=1")
 
 
 def _validate_decode(d) -> None:

@@ -119,8 +119,13 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu", ("reference", "chunked", "pallas_tpu"))
+    kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu | tokamax (tokamax's KDA with the bounded "
+                       "gate fused in: its Mosaic kernels when the platform is TPU, its xla_chunked path elsewhere; needs "
+                       "kda_gate=bounded and kda_chunk_size=64)", ("reference", "chunked", "pallas_tpu", "tokamax"))
     kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
+    kda_tokamax_max_segments: int = _f(16, "kda_impl=tokamax: most documents in one row (tokamax pads each to 64 "
+                                       "tokens: T + 63 x this tokens of work); a row with more makes the KDA output "
+                                       "NaN")
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot (TPU, GPU) | megablox (Pallas TPU) | blocked (a scan over "

@@ -34,8 +34,14 @@ class KDA(nnx.Module):
         p, w, std = h * dk, cfg.kda_conv_size, cfg.initializer_range
         self.cfg, self.num_heads, self.head_dim = cfg, h, dk
         self.chunk_size = kcfg.kda_chunk_size
+        # kda_impl=tokamax fuses the bounded gate into its kernels: the core takes the gate's
+        # pre-activation with A_log and dt_bias instead of g (config.validate allows it only with
+        # kda_gate=bounded).
+        self.fused_gate = kcfg.kda_impl == "tokamax"
         self.core = get_kda_fn(kcfg.kda_impl, chunk_size=kcfg.kda_chunk_size, interpret=kcfg.pallas_interpret,
-                               batch_axes=S.BATCH_AXES, head_axis=S.HEAD_AXIS)
+                               batch_axes=S.BATCH_AXES, head_axis=S.HEAD_AXIS,
+                               lower_bound=cfg.kda_gate_lower_bound if cfg.kda_gate == "bounded" else None,
+                               max_num_segments=kcfg.kda_tokamax_max_segments)
         self.cp_strategy = kcfg.context_parallel_strategy
         mat = dict(std=std, dtype=dtype, matrix=(0, 1))
         self.q_proj = param(rngs, stack, (d, p), ("embed", "heads"), **mat)
@@ -65,11 +71,15 @@ class KDA(nnx.Module):
     def _proj(self, x, w):
         return jnp.einsum("...d,dp->...p", x, w[...].astype(x.dtype))
 
+    def _gate_pre(self, x):
+        """The gate's pre-activation f (before dt_bias), f32, shape [..., H, dk]."""
+        f = self._proj(self._proj(x, self.f_a_proj), self.f_b_proj).astype(jnp.float32)
+        return f.reshape(*f.shape[:-1], self.num_heads, self.head_dim)
+
     def _gate(self, x):
         """Per-channel log-decay g <= 0, f32, shape [..., H, dk]."""
         c = self.cfg
-        f = self._proj(self._proj(x, self.f_a_proj), self.f_b_proj).astype(jnp.float32)
-        u = (f + self.dt_bias[...]).reshape(*f.shape[:-1], self.num_heads, self.head_dim)
+        u = self._gate_pre(x) + self._heads(self.dt_bias[...])
         a = jnp.exp(self.A_log[...])[:, None]                       # [H, 1]
         if c.kda_gate == "bounded":
             return c.kda_gate_lower_bound * jax.nn.sigmoid(a * u)    # in (lb, 0)
@@ -88,6 +98,10 @@ class KDA(nnx.Module):
 
     def _heads(self, t):
         return t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
+
+    def _gate_params(self):
+        """What the fused-gate (tokamax) core takes besides f: A_log [H], dt_bias [H, dk]."""
+        return {"a_log": self.A_log[...], "dt_bias": self._heads(self.dt_bias[...])}
 
     # -- sequence path (training, prefill) ------------------------------------------------------
     def __call__(self, x, segment_ids, positions=None, return_cache: bool = False):
@@ -111,14 +125,20 @@ class KDA(nnx.Module):
         q, k, v = outs
         q, k = l2_normalize(q), l2_normalize(k)
         beta = jax.nn.sigmoid(self._proj(x, self.b_proj).astype(jnp.float32))
-        g = self._gate(x)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_heads", None))
-        if cp:
-            o, state = CP.kda(self.core, q, k, v, g, beta, scale=self.head_dim ** -0.5,
+        if self.fused_gate:
+            if cp:
+                raise ValueError("kda_impl=tokamax does not run under context parallelism (config.validate "
+                                 "refuses it); use kda_impl=chunked")
+            o, state = self.core(q, k, v, self._gate_pre(x), beta, **self._gate_params(),
+                                 scale=self.head_dim ** -0.5, segment_ids=segment_ids)
+        elif cp:
+            o, state = CP.kda(self.core, q, k, v, self._gate(x), beta, scale=self.head_dim ** -0.5,
                               segment_ids=segment_ids, strategy=self.cp_strategy)
         else:
-            o, state = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, segment_ids=segment_ids)
+            o, state = self.core(q, k, v, self._gate(x), beta, scale=self.head_dim ** -0.5,
+                                 segment_ids=segment_ids)
         out = self._output(o, x)
         if not return_cache:
             return out, {}, None
@@ -171,10 +191,18 @@ class KDA(nnx.Module):
         q, k, v = outs
         q, k = l2_normalize(q), l2_normalize(k)
         beta = jnp.where(keep[..., None], jax.nn.sigmoid(self._proj(x, self.b_proj).astype(jnp.float32)), 0.0)
-        g = jnp.where(keep[..., None, None], self._gate(x), 0.0)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_heads", None))
-        o, new["state"] = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=cache["state"])
+        if self.fused_gate:
+            # g = lb * sigmoid(A * (f + dt)) is exactly 0 where A * (f + dt) underflows sigmoid:
+            # f = -1e30 on padding (A = exp(A_log) would have to fall below 1e-25 to miss it).
+            f = jnp.where(keep[..., None, None], self._gate_pre(x), -1e30)
+            o, new["state"] = self.core(q, k, v, f, beta, **self._gate_params(),
+                                        scale=self.head_dim ** -0.5, initial_state=cache["state"])
+        else:
+            g = jnp.where(keep[..., None, None], self._gate(x), 0.0)
+            o, new["state"] = self.core(q, k, v, g, beta, scale=self.head_dim ** -0.5,
+                                        initial_state=cache["state"])
         return self._output(o, x), new
 
 

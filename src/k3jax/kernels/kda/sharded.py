@@ -67,8 +67,11 @@ def shard_kda(fn: Callable, mesh=None, *, batch_axes: Sequence[str], head_axis: 
 
     Returns:
       wrapped(q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], g [B,T,H,K] f32, beta [B,T,H] f32, *,
-              scale=None, initial_state=[B,H,K,V] f32 | None, segment_ids=[B,T] int32 | None)
+              scale=None, initial_state=[B,H,K,V] f32 | None, segment_ids=[B,T] int32 | None,
+              **head_params)
         -> (o [B,T,H,V] in v.dtype, final_state [B,H,K,V] f32), the same values as `fn`.
+      head_params (e.g. the tokamax core's a_log [H] and dt_bias [H, K]) are arrays with heads
+      on their first dim, split like the heads and passed on to `fn` by name.
       With no mesh, or when the mesh's non-manual axes hold one device in all (1-device meshes,
       or inside a shard_map already manual over every axis), it calls `fn` directly. Inside a
       partly manual shard_map it maps over the remaining axes only. Mesh axes must be Auto or
@@ -77,12 +80,12 @@ def shard_kda(fn: Callable, mesh=None, *, batch_axes: Sequence[str], head_axis: 
     """
     batch_axes = tuple(batch_axes)
 
-    def wrapped(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
+    def wrapped(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, **head_params):
         m = jax.sharding.get_abstract_mesh() if mesh is None else mesh.abstract_mesh
         free = {} if m.empty else _free_axes(m)
         if math.prod(free.values()) <= 1:
             return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                      segment_ids=segment_ids)
+                      segment_ids=segment_ids, **head_params)
         explicit = [a for a in free if m.axis_types[m.axis_names.index(a)] == AxisType.Explicit]
         if explicit:
             raise ValueError(f"shard_kda needs Auto mesh axes; {explicit} are Explicit")
@@ -100,12 +103,16 @@ def shard_kda(fn: Callable, mesh=None, *, batch_axes: Sequence[str], head_axis: 
         if segment_ids is not None:
             extra.append(segment_ids)
             extra_specs.append(P(b, None))
+        names = sorted(head_params)                        # per-head parameters: heads first
+        extra += [head_params[n] for n in names]
+        extra_specs += [P(h, *[None] * (head_params[n].ndim - 1)) for n in names]
 
         def local(q, k, v, g, beta, *rest):
             rest = list(rest)
             h0 = rest.pop(0) if initial_state is not None else None
             seg = rest.pop(0) if segment_ids is not None else None
-            return fn(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg)
+            return fn(q, k, v, g, beta, scale=scale, initial_state=h0, segment_ids=seg,
+                      **dict(zip(names, rest)))
 
         # check_vma=False: under check_vma=True interpret-mode Pallas fails (its VMEM scratch
         # is typed as not varying, so dots of it with the varying blocks are rejected), and one
