@@ -132,6 +132,9 @@ class KernelConfig:
     context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
                                         ("allgather", "ring"))
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
+    loss_impl: str = _f("chunked", "training cross-entropy: chunked (ours, loss_chunk_size) | tokamax (fused lm head + CE: "
+                        "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy)",
+                        ("chunked", "tokamax"))
 
 
 @dataclasses.dataclass(frozen=True)
