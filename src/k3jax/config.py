@@ -263,6 +263,10 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         if odd:
             raise ConfigError(f"experts_format=mxfp4 needs the routed experts' input widths to be multiples of 32 "
                               f"(one E8M0 scale per 32 inputs); got {odd}")
+    if m.experts_format == "mxfp4" and k.moe_impl == "tokamax_ragged_dot" and m.first_k_dense < m.num_layers:
+        raise ConfigError("experts_format=mxfp4 with moe_impl=tokamax_ragged_dot: tokamax takes quantized experts as "
+                          "qwix QArrays and our packed MXFP4 is not one; use moe_impl=megablox (TPU kernel on the "
+                          "packed weights) or moe_impl=ragged_dot (dequantizes first)")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
     if k.moe_gather_max_tokens < 0:

@@ -123,7 +123,9 @@ class KernelConfig:
     kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
-    moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense", ("ragged_dot", "megablox", "dense"))
+    moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot | megablox | dense | tokamax_ragged_dot (tokamax.ragged_dot: "
+                       "Mosaic kernel on TPU, XLA elsewhere; no mxfp4 experts)",
+                       ("ragged_dot", "megablox", "dense", "tokamax_ragged_dot"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, instead of sort + ragged matmul; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
