@@ -111,3 +111,40 @@ def test_tokamax_loss_config_errors():
     with pytest.raises(C.ConfigError, match="multiple of 2048"):
         C.validate(cfg, platform="cpu")
     C.validate(cfg, platform="tpu")   # the Mosaic kernel masks the vocabulary tail
+
+
+_AOT_SCRIPT = """
+import json, time
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from k3jax.loss import tokamax_context, tokamax_cross_entropy
+from k3jax.sharding import BATCH_AXES, MESH_AXES, logical_to_spec
+topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+mesh = Mesh(np.asarray(topo.devices).reshape(1, 2, 1, 1, 2), MESH_AXES)   # fsdp=2 x tensor=2
+b, t, d, v = 4, 128, 256, 2048
+rows = NamedSharding(mesh, P(BATCH_AXES))
+args = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(BATCH_AXES, None, None))),
+        jax.ShapeDtypeStruct((d, v), jnp.float32, sharding=NamedSharding(mesh, logical_to_spec(("embed", "vocab")))),
+        jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=rows))
+def loss(h, w, tg, m):
+    s, n, _ = tokamax_cross_entropy(h, w, tg, m, implementation="mosaic_tpu",
+                                    row_axes=("data", "fsdp", "expert", "context", "tensor"))
+    return s / n
+t0 = time.time()
+with jax.set_mesh(mesh), tokamax_context("mosaic_tpu"):
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower()
+compiled = lowered.compile()
+print(json.dumps({"mosaic_calls": lowered.as_text().count("tpu_custom_call"), "seconds": time.time() - t0,
+                  "temp": compiled.memory_analysis().temp_size_in_bytes}))
+"""
+
+
+def test_tokamax_loss_compiles_for_tpu():
+    """loss_impl=tokamax AOT-compiled for v5p:2x2x1 from this host (fsdp=2 x tensor=2, forward and
+    backward): the Mosaic kernels are in the program, inside the per-device map."""
+    from tpu_aot import run_aot_script
+    proc, rows = run_aot_script(_AOT_SCRIPT, timeout=300)
+    assert proc.returncode == 0 and rows, proc.stderr[-3000:]
+    assert rows[0]["mosaic_calls"] >= 2, rows   # forward and backward kernels
