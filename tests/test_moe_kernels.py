@@ -424,11 +424,26 @@ _AOT_SCRIPT = textwrap.dedent("""
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower()
     assert "tpu_custom_call" in lowered.as_text()
     lowered.compile()
+    # tokamax's Mosaic ragged_dot, fwd + both gradients: it reads the TPU generation from the
+    # ambient mesh, its backward builds ops that check the host device (cross_compile), and M is
+    # padded to its 128-row tile here.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from k3jax.loss import tokamax_context
+    mesh = Mesh(topo.devices[:1], ("data",))
+    s = NamedSharding(mesh, P())
+    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a in args)
+    def loss(lhs, rhs, sizes):
+        out = grouped_matmul(lhs, rhs, sizes, impl="tokamax_ragged_dot")
+        return jnp.sum(out * out)
+    with jax.set_mesh(mesh), tokamax_context("mosaic_tpu"):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower()
+    assert lowered.as_text().count("tpu_custom_call") >= 3   # forward, d lhs, d rhs
+    lowered.compile()
     print("AOT-OK")
 """)
 
 
-def test_megablox_compiles_for_tpu_topology():
+def test_megablox_and_tokamax_ragged_dot_compile_for_tpu_topology():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu not importable")
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,

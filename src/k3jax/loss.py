@@ -98,7 +98,8 @@ def tokamax_implementation(platform: str) -> str:
 
 
 def tokamax_context(implementation: str):
-    """Context for *tracing* (forward and backward) a step that holds the Mosaic loss: tokamax
+    """Context for *tracing* (forward and backward) a step that holds a tokamax Mosaic kernel (this
+    loss, or moe_impl=tokamax_ragged_dot, whose backward builds new ops that check again): tokamax
     checks the host's default device before it lowers a kernel, which refuses an AOT compile for
     a TPU topology from a CPU host; cross_compile turns that check off (the kernel choice is ours,
     from the mesh's platform). A no-op for the XLA implementation."""

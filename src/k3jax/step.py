@@ -112,10 +112,11 @@ def make_train_step(cfg, gdef, tx):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state, batch):
-        if cfg.kernel.loss_impl == "tokamax":   # the backward is traced here, outside loss_fn
-            with tokamax_context(tokamax_implementation(_platform())):
-                return _step(state, batch)
-        return _step(state, batch)
+        # tokamax's Mosaic kernels (loss, grouped matmul) check the host's device when traced,
+        # the backward included, which is traced here, outside loss_fn (k3jax.loss.tokamax_context)
+        uses_tokamax = cfg.kernel.loss_impl == "tokamax" or cfg.kernel.moe_impl == "tokamax_ragged_dot"
+        with tokamax_context(tokamax_implementation(_platform()) if uses_tokamax else "none"):
+            return _step(state, batch)
 
     def _step(state, batch):
         params, opt_state, rest = state["params"], state["opt_state"], state["rest"]

@@ -99,11 +99,16 @@ def _platform() -> str:
 def _tokamax(lhs, rhs, group_sizes, preferred_element_type):
     import tokamax
     impl = "mosaic_tpu" if _platform() == "tpu" else "xla"
+    m = lhs.shape[0]
+    if impl == "mosaic_tpu":
+        # The Mosaic kernel needs M divisible by its 128-row tile (NotImplementedError otherwise,
+        # seen compiling for v5p): zero rows go after the last group, outside every group.
+        lhs = jnp.pad(lhs, ((0, _round_up(m, 128) - m), (0, 0)))
     out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                              implementation=impl)
     if impl == "mosaic_tpu":
-        inside = row_group_ids(group_sizes, lhs.shape[0]) < rhs.shape[0]
-        out = jnp.where(inside[:, None], out, jnp.zeros((), out.dtype))
+        inside = row_group_ids(group_sizes, m) < rhs.shape[0]
+        out = jnp.where(inside[:, None], out[:m], jnp.zeros((), out.dtype))
     return out
 
 
