@@ -76,14 +76,15 @@ def test_tokamax_xla_path_refuses_a_vocabulary_it_gets_wrong():
 
 
 def test_train_step_with_tokamax_loss_equals_chunked():
-    """One train step of a one-layer K3-shaped model: the same loss and gradient norm with either
-    loss_impl; the tokamax step logs no accuracy. (One layer on one device keeps the two step
-    compiles small; the sharded loss is the mesh test above.)"""
+    """One train step of a one-layer model: the same loss and gradient norm with either loss_impl;
+    the tokamax step logs no accuracy. (One layer on one device keeps the two step compiles small;
+    the sharded loss is the mesh test above.)"""
     from k3jax import sharding as S
     from k3jax.state import init_state
     from k3jax.step import make_train_step
-    args = ["model_name=tiny", "vocab_size=2048", "num_layers=1", "first_k_dense=1", "mla_extra_layers=[]", "attn_res_block_size=1", "opt_type=adamw",
-            "remat_policy=none"]
+    # one MLA layer with a dense FFN, plain residuals, AdamW: the smallest step that compiles fast
+    args = ["model_name=tiny", "vocab_size=2048", "num_layers=1", "mla_every=1", "first_k_dense=1", "mla_extra_layers=[]",
+            "attn_res=false", "attn_res_block_size=1", "opt_type=adamw", "use_qk_clip=false", "remat_policy=none"]
     ours, theirs = (C.load(C.REPO_CONFIGS / "base.yml", [*args, f"loss_impl={i}"]) for i in ("chunked", "tokamax"))
     mesh = S.make_mesh(ours, jax.devices()[:1])
     gdef, state, tx = init_state(ours, mesh, optimizer=True)
