@@ -2,6 +2,8 @@
 
 Part 1 times `jax.value_and_grad` (wrt x, routing weights and the three expert weights) of:
   ragged_dot   dispatch.moe_dropless(impl="ragged_dot")
+  tokamax      dispatch.moe_dropless(impl="tokamax_ragged_dot") (tokamax.ragged_dot: its XLA op
+               off TPU, the Mosaic kernel on TPU)
   dense        dispatch.moe_dense_reference (every expert on every token)
   capacity     dispatch.moe_capacity(capacity_factor=1.25)
   megablox     dispatch.moe_dropless(impl="megablox"), interpret mode off TPU (--megablox)
@@ -45,6 +47,7 @@ def swiglu(g, u):
 def _impls(megablox: bool, interpret: bool):
     impls = {
         "ragged_dot": lambda *a: moe_dropless(*a, swiglu, impl="ragged_dot"),
+        "tokamax": lambda *a: moe_dropless(*a, swiglu, impl="tokamax_ragged_dot"),
         "dense": lambda *a: moe_dense_reference(*a, swiglu),
         "capacity": lambda *a: moe_capacity(*a, swiglu, capacity_factor=1.25)[0],
     }

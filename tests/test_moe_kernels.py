@@ -52,7 +52,7 @@ def _gmm_numpy(lhs, rhs, sizes):
     return out                                    # rows past sum(sizes) stay 0
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "megablox", "blocked", "dense"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot"])
 @pytest.mark.parametrize("sizes", [[5, 0, 9, 3, 0], [0, 0, 20, 0, 0], [4, 4, 4, 4, 4]],
                          ids=["empty-groups+tail-rows", "one-group", "full"])
 def test_grouped_matmul_matches_numpy(impl, sizes):
@@ -84,6 +84,42 @@ def test_megablox_without_interpret_fails_loudly_off_tpu():
     lhs, rhs = jnp.ones((16, 8)), jnp.ones((2, 8, 8))
     with pytest.raises(ValueError, match="interpret"):
         grouped_matmul(lhs, rhs, jnp.array([8, 8], jnp.int32), impl="megablox")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tokamax_ragged_dot_equals_ragged_dot(dtype):
+    """Forward and both gradients of moe_impl=tokamax_ragged_dot equal jax.lax.ragged_dot's
+    (moe_impl=ragged_dot) on the same problem, tail rows outside every group included."""
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    lhs = jax.random.normal(k1, (40, 24)).astype(dtype)
+    rhs = jax.random.normal(k2, (5, 24, 16)).astype(dtype)
+    ct = jax.random.normal(k3, (40, 16))
+    gs = jnp.asarray([7, 0, 13, 9, 3], jnp.int32)       # 32 of 40 rows in a group
+
+    def run(impl):
+        def loss(a, b):
+            out = grouped_matmul(a, b, gs, impl=impl)
+            return jnp.sum(out * ct), out
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(lhs, rhs)
+
+    (_, out), grads = run("tokamax_ragged_dot")
+    (_, want), want_grads = run("ragged_dot")
+    assert out.dtype == want.dtype == jnp.float32
+    tol = TOL[dtype]
+    assert rel_rms(out, want) < tol and not np.any(np.asarray(out)[32:])
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == w.dtype and rel_rms(g, w) < tol
+
+
+def test_tokamax_ragged_dot_refuses_mxfp4():
+    from k3jax.kernels.moe.quantized import MXFP4
+    packed = MXFP4(jnp.zeros((2, 16, 8), jnp.uint8), jnp.zeros((2, 1, 8), jnp.uint8))
+    with pytest.raises(ValueError, match="QArray"):
+        grouped_matmul(jnp.ones((4, 32)), packed, jnp.array([2, 2], jnp.int32), impl="tokamax_ragged_dot")
+    from k3jax import config as C
+    with pytest.raises(C.ConfigError, match="tokamax_ragged_dot"):
+        C.load(C.REPO_CONFIGS / "base.yml", ["experts_format=mxfp4", "moe_latent_size=32", "moe_intermediate_size=32",
+                                              "moe_impl=tokamax_ragged_dot"])
 
 
 def test_unknown_impl_raises():
@@ -138,7 +174,8 @@ def _problem(dtype, routing):
     return x, weights, wg, wu, wd, idx, ct
 
 
-PATHS = ["dropless-ragged_dot", "dropless-megablox", "dropless-blocked", "dropless-dense", "capacity-huge"]
+PATHS = ["dropless-ragged_dot", "dropless-megablox", "dropless-blocked", "dropless-dense", "dropless-tokamax_ragged_dot",
+         "capacity-huge"]
 
 
 @pytest.mark.parametrize("routing", ["random", "ties", "one-expert", "empty-experts"])
@@ -411,11 +448,26 @@ _AOT_SCRIPT = textwrap.dedent("""
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower()
     assert "tpu_custom_call" in lowered.as_text()
     lowered.compile()
+    # tokamax's Mosaic ragged_dot, fwd + both gradients: it reads the TPU generation from the
+    # ambient mesh, its backward builds ops that check the host device (cross_compile), and M is
+    # padded to its 128-row tile here.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from k3jax.loss import tokamax_context
+    mesh = Mesh(topo.devices[:1], ("data",))
+    s = NamedSharding(mesh, P())
+    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a in args)
+    def loss(lhs, rhs, sizes):
+        out = grouped_matmul(lhs, rhs, sizes, impl="tokamax_ragged_dot")
+        return jnp.sum(out * out)
+    with jax.set_mesh(mesh), tokamax_context("mosaic_tpu"):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower()
+    assert lowered.as_text().count("tpu_custom_call") >= 3   # forward, d lhs, d rhs
+    lowered.compile()
     print("AOT-OK")
 """)
 
 
-def test_megablox_compiles_for_tpu_topology():
+def test_megablox_and_tokamax_ragged_dot_compile_for_tpu_topology():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu not importable")
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,

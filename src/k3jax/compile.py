@@ -368,7 +368,7 @@ def run(cfg, out=print) -> dict:
     total, active = counts.param_counts(m)
     out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
         f"{counts.human(active)} active; kernels kda={cfg.kernel.kda_impl} attention={cfg.kernel.attention_impl} "
-        f"moe={cfg.kernel.moe_impl}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport}; "
+        f"moe={cfg.kernel.moe_impl}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} loss={cfg.kernel.loss_impl}; "
         f"remat={cfg.train.remat_policy}")
     reports = {}
     if cfg.compile.compile_step in ("train", "both"):

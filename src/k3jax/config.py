@@ -263,6 +263,10 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         if odd:
             raise ConfigError(f"experts_format=mxfp4 needs the routed experts' input widths to be multiples of 32 "
                               f"(one E8M0 scale per 32 inputs); got {odd}")
+    if m.experts_format == "mxfp4" and k.moe_impl == "tokamax_ragged_dot" and m.first_k_dense < m.num_layers:
+        raise ConfigError("experts_format=mxfp4 with moe_impl=tokamax_ragged_dot: tokamax takes quantized experts as "
+                          "qwix QArrays and our packed MXFP4 is not one; use moe_impl=megablox (TPU kernel on the "
+                          "packed weights) or moe_impl=ragged_dot (dequantizes first)")
     if m.attn_res and m.attn_res_block_size > m.num_layers:
         raise ConfigError(f"attn_res_block_size={m.attn_res_block_size} exceeds num_layers={m.num_layers}")
     if k.moe_gather_max_tokens < 0:
@@ -272,6 +276,9 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         raise ConfigError(f"kda_chunk_size={k.kda_chunk_size}: must be a power of two >= 16 (e.g. 64; the "
                           "chunked kernels split chunks into 16-token sub-blocks)")
     _validate_tokamax_kda(cfg)
+    if k.loss_impl == "tokamax" and t.z_loss_weight:
+        raise ConfigError(f"loss_impl=tokamax has no z-loss (tokamax's fused CE returns no log-partition), but "
+                          f"z_loss_weight={t.z_loss_weight}; set z_loss_weight=0 or loss_impl=chunked")
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     sv = cfg.serve
@@ -292,6 +299,10 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     _validate_path_schemes(cfg)
     if num_devices is not None:
         mesh_shape(cfg, num_devices)
+    if platform not in (None, "tpu") and k.loss_impl == "tokamax" and m.vocab_size % 2048:
+        raise ConfigError(f"loss_impl=tokamax runs tokamax's chunked XLA loss on {platform}, which is wrong unless "
+                          f"vocab_size is a multiple of 2048 (it lets padded logits into the softmax); vocab_size="
+                          f"{m.vocab_size}: use loss_impl=chunked or a vocab_size multiple of 2048")
     if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
         raise ConfigError(f"kda_impl=pallas_tpu compiles TPU kernels but the devices here are {platform}; "
                           f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")

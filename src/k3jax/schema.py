@@ -129,8 +129,9 @@ class KernelConfig:
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
     moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot (TPU, GPU) | megablox (Pallas TPU) | blocked (a scan over "
-                       "row blocks: use on CPU, where ragged_dot runs every expert on every row) | dense (reference)",
-                       ("ragged_dot", "megablox", "blocked", "dense"))
+                       "row blocks: use on CPU, where ragged_dot runs every expert on every row) | dense (reference) | "
+                       "tokamax_ragged_dot (tokamax.ragged_dot: Mosaic kernel on TPU, XLA elsewhere; no mxfp4 experts)",
+                       ("ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, instead of sort + ragged matmul; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
@@ -139,6 +140,9 @@ class KernelConfig:
     context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
                                         ("allgather", "ring"))
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
+    loss_impl: str = _f("chunked", "training cross-entropy: chunked (ours, loss_chunk_size) | tokamax (fused lm head + CE: "
+                        "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy)",
+                        ("chunked", "tokamax"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,9 @@ from flax import nnx
 from k3jax.config import ConfigError
 from k3jax.kernels.moe import balance
 from k3jax.layers.common import REST
-from k3jax.loss import chunked_cross_entropy
+from k3jax.loss import chunked_cross_entropy, tokamax_context, tokamax_cross_entropy, tokamax_implementation
 from k3jax.optim import qk_clip
-from k3jax.sharding import batch_sharding
+from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, batch_sharding
 
 
 # ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
@@ -71,21 +71,40 @@ def check_trainable(cfg) -> None:
                           f"(freeze=[experts]) or train with experts_format=dense")
 
 
+def _platform() -> str:
+    """Platform of the devices the step is traced for: the ambient mesh's (an AOT compile for a TPU
+    topology runs on a CPU host), else the default backend's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def make_loss(cfg):
+    """(h [B,T,D], lm head [D,V], targets, loss_mask) -> (masked loss sum, mask sum, correct) by
+    ``loss_impl`` (k3jax.loss). With tokamax, ``correct`` is a 0 placeholder (no logits formed)."""
+    if cfg.kernel.loss_impl == "tokamax":
+        def fn(h, w, targets, mask):
+            # rows split over the batch, context and tensor axes (loss.tokamax_cross_entropy)
+            return tokamax_cross_entropy(h, w, targets, mask, implementation=tokamax_implementation(_platform()),
+                                         row_axes=(*BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS))
+        return fn
+    return lambda h, w, targets, mask: chunked_cross_entropy(
+        h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight)
+
+
 def make_train_step(cfg, gdef, tx):
     """step(state, batch) -> (new state, metrics) for state = {"params", "opt_state", "rest"} and a
     batch of [B, T] arrays (tokens, targets, segment_ids, positions, loss_mask). Trace it under
     ``jax.set_mesh(mesh)``: the model reads the ambient mesh (expert parallelism, constraints)."""
     t = cfg.train
     check_trainable(cfg)
+    cross_entropy = make_loss(cfg)
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
         h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
                                  remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0)
         with jax.named_scope("loss"):
-            loss_sum, weight, correct = chunked_cross_entropy(h, model.head_weight(), batch["targets"],
-                                                              batch["loss_mask"], chunk=cfg.kernel.loss_chunk_size,
-                                                              z_loss_weight=t.z_loss_weight)
+            loss_sum, weight, correct = cross_entropy(h, model.head_weight(), batch["targets"], batch["loss_mask"])
         loss = loss_sum / jnp.maximum(weight, 1.0)
         total = loss + t.moe_aux_loss_coef * mean_aux(model.layout, aux, "aux_loss")
         return total, (loss, weight, correct, aux)
@@ -93,6 +112,13 @@ def make_train_step(cfg, gdef, tx):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state, batch):
+        # tokamax's Mosaic kernels (loss, grouped matmul) check the host's device when traced,
+        # the backward included, which is traced here, outside loss_fn (k3jax.loss.tokamax_context)
+        uses_tokamax = cfg.kernel.loss_impl == "tokamax" or cfg.kernel.moe_impl == "tokamax_ragged_dot"
+        with tokamax_context(tokamax_implementation(_platform()) if uses_tokamax else "none"):
+            return _step(state, batch)
+
+    def _step(state, batch):
         params, opt_state, rest = state["params"], state["opt_state"], state["rest"]
         k = t.gradient_accumulation_steps
         if k == 1:
@@ -114,8 +140,9 @@ def make_train_step(cfg, gdef, tx):
         grad_norm = optax.global_norm(grads)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": weight,
-                   "accuracy": correct / jnp.maximum(weight, 1)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": weight}
+        if cfg.kernel.loss_impl != "tokamax":   # tokamax's fused CE forms no logits to take an argmax of
+            metrics["accuracy"] = correct / jnp.maximum(weight, 1)
         if t.use_qk_clip and any("max_logits" in a for _, a in layout.items(aux)):
             new_params, clip = qk_clip(new_params, aux, layout, threshold=t.qk_clip_threshold, cfg_model=cfg.model)
             metrics["qk_clipped_heads"] = clip["clipped_heads"]

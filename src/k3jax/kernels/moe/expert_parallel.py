@@ -313,11 +313,11 @@ def moe_expert_parallel(x, weights, idx, w_gate, w_up, w_down, act: Act, *, mesh
         out_specs = (tok, P())
     else:
         raise ValueError(f"mode must be 'dropless' or 'capacity', got {mode!r}")
-    # megablox's pallas_call declares no varying-manual-axes type for its output, which
+    # megablox's (and tokamax's Mosaic) pallas_call declares no varying-manual-axes type for its output, which
     # check_vma=True rejects. With check_vma=False shard_map transposes the classic way (input
     # cotangents psum'd over the axes their spec leaves out), correct here because every output
     # is replicated over the axes its spec leaves out.
-    check_vma = not (mode == "dropless" and impl == "megablox")
+    check_vma = not (mode == "dropless" and impl in ("megablox", "tokamax_ragged_dot"))
     out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                         check_vma=check_vma)(*args)
     if pad:

@@ -16,11 +16,20 @@ Three interchangeable implementations (same numbers and gradients, chosen by `im
                 path, 20-60x faster than "ragged_dot" there at MoE-layer shapes (docs/moe.md).
   "dense"       reference: every group on every row ([G, M, N] intermediate), then a row ->
                 group one-hot mask. Obviously correct, O(G) too much work: tests only.
+  "tokamax_ragged_dot"
+                `tokamax.ragged_dot` with its own VJP: the Pallas Mosaic TPU kernel
+                ("mosaic_tpu") when the devices are TPUs, its XLA op ("xla", i.e.
+                `jax.lax.ragged_dot`) elsewhere, picked from the platform, never by fallback.
+                The Mosaic kernel needs M, K, N >= 128 (it raises otherwise); its rows past
+                sum(group_sizes) are zeroed here, so the contract above holds whatever the
+                kernel leaves there (not checkable off TPU).
 
 `rhs` may be an `MXFP4` (packed 4-bit experts, quantized.py). Then "megablox" runs our Pallas
 kernel that decodes each [tk, tn] weight tile in VMEM (mxfp4_gmm.py; the packed stack never
 exists in BF16/F32 in HBM), while "ragged_dot", "blocked" and "dense" are the XLA path: they dequantize the
 stack to lhs.dtype first (CPU runs, tests; it materialises the dense experts).
+"tokamax_ragged_dot" refuses it: tokamax takes quantized operands as qwix `QArray`s, and MXFP4
+is not one (no conversion is built; config validation names the alternatives).
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ from k3jax.kernels.moe.quantized import MXFP4, dequantize
 
 __all__ = ["grouped_matmul", "IMPLS", "row_group_ids"]
 
-IMPLS = ("ragged_dot", "megablox", "blocked", "dense")
+IMPLS = ("ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot")
 
 
 def row_group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -85,6 +94,27 @@ def _megablox(lhs, rhs, group_sizes, preferred_element_type, tiling, interpret):
     return out[:m]
 
 
+def _platform() -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def _tokamax(lhs, rhs, group_sizes, preferred_element_type):
+    import tokamax
+    impl = "mosaic_tpu" if _platform() == "tpu" else "xla"
+    m = lhs.shape[0]
+    if impl == "mosaic_tpu":
+        # The Mosaic kernel needs M divisible by its 128-row tile (NotImplementedError otherwise,
+        # seen compiling for v5p): zero rows go after the last group, outside every group.
+        lhs = jnp.pad(lhs, ((0, _round_up(m, 128) - m), (0, 0)))
+    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                             implementation=impl)
+    if impl == "mosaic_tpu":
+        inside = row_group_ids(group_sizes, m) < rhs.shape[0]
+        out = jnp.where(inside[:, None], out[:m], jnp.zeros((), out.dtype))
+    return out
+
+
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -102,7 +132,7 @@ def grouped_matmul(
       rhs: [G, K, N] one matrix per group (same dtype as lhs), or an `MXFP4` of that shape.
       group_sizes: [G] int32 rows per group, sum(group_sizes) <= M. Rows past the sum are
         outside every group: their output is 0 and they receive no gradient.
-      impl: "ragged_dot" | "megablox" | "blocked" | "dense" (module docstring).
+      impl: "ragged_dot" | "megablox" | "blocked" | "dense" | "tokamax_ragged_dot" (module docstring).
       preferred_element_type: output / accumulation dtype (f32 by default).
       interpret: megablox only; run the Pallas kernel in interpret mode (required off TPU).
       tiling: megablox only; (tm, tk, tn) tiles, clipped to the problem size.
@@ -110,6 +140,9 @@ def grouped_matmul(
       [M, N] in `preferred_element_type`. Differentiable wrt lhs and rhs with every impl.
     """
     if isinstance(rhs, MXFP4):
+        if impl == "tokamax_ragged_dot":
+            raise ValueError("impl='tokamax_ragged_dot' takes no MXFP4 experts (tokamax wants a qwix QArray); "
+                             "use 'megablox' (packed-weight kernel) or 'ragged_dot'")
         if impl == "megablox":
             return mxfp4_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                                         interpret=interpret, tiling=tuple(tiling))
@@ -128,4 +161,6 @@ def grouped_matmul(
         return blocked_grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     if impl == "dense":
         return _dense(lhs, rhs, group_sizes, preferred_element_type)
+    if impl == "tokamax_ragged_dot":
+        return _tokamax(lhs, rhs, group_sizes, preferred_element_type)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
