@@ -181,8 +181,9 @@ _AOT_SCRIPT = textwrap.dedent("""
             sds((H,), jnp.float32, "tensor"), sds((H, D), jnp.float32, "tensor")]
     axes = dict(batch_axes=("data",), head_axis="tensor")
     with jax.set_mesh(mesh):                      # the platform check reads the mesh's devices
-        cores = {"pallas_tpu": get_kda_fn("pallas_tpu", **axes),
-                 "tokamax": get_kda_fn("tokamax", lower_bound=-5.0, max_num_segments=4, **axes)}
+        # pallas_tpu's own TPU compile is tests/test_kda_pallas.py's; benchmarks/kda_tpu_compare.py
+        # compiles both at the K3 layer shape.
+        cores = {"tokamax": get_kda_fn("tokamax", lower_bound=-5.0, max_num_segments=4, **axes)}
     for impl, core in cores.items():
         def fwd(q, k, v, f, beta, seg, a_log, dt_bias, core=core, impl=impl):
             if impl == "tokamax":
@@ -202,11 +203,11 @@ _AOT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_both_tpu_kernels_compile_for_v5p():
-    """Ours (pallas_tpu) and tokamax's Mosaic kernels, forward and backward, compile for TPU v5p
+def test_tokamax_tpu_kernels_compile_for_v5p():
+    """tokamax's Mosaic kernels behind kda_impl=tokamax, forward and backward, compile for TPU v5p
     ahead of time at T=256, H=4, bf16 with packed segments, on 4 chips (rows over data=2, heads
     and tokamax's a_log / dt_bias over tensor=2)."""
     proc, rows = run_aot_script(_AOT_SCRIPT)
-    assert proc.returncode == 0 and len(rows) == 4, proc.stderr[-4000:]
+    assert proc.returncode == 0 and len(rows) == 2, proc.stderr[-4000:]
     for row in rows:
         assert row["kind"] == "TPU v5" and row["mosaic_calls"] >= (1 if row["pass"] == "fwd" else 2), row

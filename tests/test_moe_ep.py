@@ -91,8 +91,8 @@ EP_CASES = {
     # (mesh shape, axis type, grouped-matmul impl, FSDP on the experts' D dim)
     "fsdp2-ragged_dot": ((1, 2, 4), AxisType.Explicit, "ragged_dot", True),
     "data2-megablox": ((2, 1, 4), AxisType.Explicit, "megablox", False),
-    # tokamax's op inside the map, with check_vma off as for megablox (XLA path on CPU)
-    "fsdp2-tokamax": ((1, 2, 4), AxisType.Explicit, "tokamax_ragged_dot", True),
+    # the blocked scan (the CPU grouped matmul, custom VJP) inside the map
+    "fsdp2-blocked": ((1, 2, 4), AxisType.Explicit, "blocked", True),
     # Auto meshes carry no layout in the type: the FSDP axis is passed as weight_d_axes.
     "auto-fsdp2": ((1, 2, 4), AxisType.Auto, "ragged_dot", True),
 }
@@ -110,7 +110,7 @@ def _ep_dropless(case):
 
 @pytest.mark.parametrize("case, routing", [
     ("fsdp2-ragged_dot", "random"), ("fsdp2-ragged_dot", "hot"), ("data2-megablox", "hot"),
-    ("auto-fsdp2", "hot"), ("fsdp2-tokamax", "hot")])
+    ("auto-fsdp2", "hot"), ("fsdp2-blocked", "hot")])
 def test_ep_dropless_matches_single_device(case, routing):
     shape, axis_type, _, fsdp_weights = EP_CASES[case]
     x, w, idx, wg, wu, wd, ct = _problem(routing)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3jax.kernels.kda.common import match_vma
+
 
 def block_rows(num_rows: int, num_groups: int) -> int:
     """Rows per block from the static shapes: about half the mean group size, in [8, 64].
@@ -104,9 +106,19 @@ def _bwd(block, out_dtype, res, ct):
         dx = jnp.dot(di, rhs[gi].T, preferred_element_type=f32)           # [b, K]
         return drhs.at[gi].add(jnp.dot(xi.T, di, preferred_element_type=f32)), dx
 
-    drhs, dxb = lax.scan(step, jnp.zeros(rhs.shape, f32), (xb, db, bg))
+    # Inside a shard_map the carry must vary over the axes its updates do (those of lhs and ct).
+    zero = match_vma(match_vma(jnp.zeros(rhs.shape, f32), lhs), ct)
+    drhs, dxb = lax.scan(step, zero, (xb, db, bg))
     dlhs = _from_blocks(dxb, dest)
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+    return _sum_to(dlhs, lhs).astype(lhs.dtype), _sum_to(drhs, rhs).astype(rhs.dtype), None
+
+
+def _sum_to(ct, x):
+    """The cotangent of an input that is the same on every shard of some shard_map axes (the
+    experts, replicated over the token shards) is the sum over them of what each shard computed;
+    jax adds that psum for its own ops' transposes, a custom VJP must itself."""
+    extra = tuple(sorted(jax.typeof(ct).mat.varying - jax.typeof(x).mat.varying))
+    return lax.psum(ct, extra) if extra else ct
 
 
 _blocked.defvjp(_fwd, _bwd)
