@@ -23,7 +23,6 @@ Results: stdout table and benchmarks/results/kda.json (--out to change).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "src"))  # run as a script without installing
 
+from common import write_json  # noqa: E402
 from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked  # noqa: E402
 from k3jax.kernels.kda.reference import kda_reference  # noqa: E402
 from k3jax.kernels.kda.tokamax import kda_tokamax  # noqa: E402
@@ -143,10 +143,7 @@ def main(argv=None):
               "chunk": args.chunk, "impls": list(impls), "dtype": "float32", "repeats": args.repeats, "rows": rows,
               "chunked_temp_marginal_bytes_per_token": dict(slopes),
               "chunked_flops_per_token_k3": {"shape": K3, "flops": flops}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Results: stdout table and benchmarks/results/kda_tpu_compare.json (--out to chan
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "src"))  # run as a script without installing
 
+from common import write_json  # noqa: E402
 from k3jax.kernels.kda import get_kda_fn  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kda_tpu_compare.json")
@@ -110,10 +110,7 @@ def main(argv=None):
     print("* XLA's count: the ops outside Mosaic custom calls only (see the module docstring)")
     result = {"device_kind": devices[0].device_kind, "topology": args.topology, "B": 1, "T": T, "H": H,
               "K": D, "V": D, "dtype": "bfloat16", "max_num_segments": args.max_segments, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
