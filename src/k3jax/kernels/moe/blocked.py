@@ -54,8 +54,7 @@ def _layout(group_sizes: jax.Array, num_rows: int, block: int):
     grp_c = jnp.minimum(grp, g - 1)
     sink = nb * block
     dest = jnp.where(inside, pstart[grp_c] + rows - start[grp_c], sink).astype(jnp.int32)
-    src = jnp.full((sink + 1,), num_rows, jnp.int32).at[dest].set(rows, mode="drop")
-    src = src.at[sink].set(num_rows)
+    src = jnp.full((sink + 1,), num_rows, jnp.int32).at[dest].set(rows)   # slot `sink` is cut off below
     block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb, dtype=jnp.int32) * block, side="right")
     return dest, src[:sink], jnp.minimum(block_group, g - 1).astype(jnp.int32)
 
