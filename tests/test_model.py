@@ -169,3 +169,32 @@ def test_k3_decode_cache_at_1m_tokens_matches_cache_spec():
     # 69 KDA layers x 96 heads x 128 x 128 f32 states (+ conv tails) = 0.42 GiB per sequence, unsplit.
     assert want["mla_latent"] == 24 * 2 ** 16 * 576 * 4
     assert want["kda_state"] == 69 * 96 * 128 * 128 * 4
+
+
+def test_attn_res_segment_scan_equals_flat_scan():
+    """The block-by-block scan of the periods (attn_res_segment_scan) computes what one flat scan
+    does, hidden states and every gradient: 12 layers in periods of 2 (KDA, MLA) and blocks of 4 cut
+    the 5 scanned periods into the runs [0] (no block start) and [1,2],[3,4] (one outer scan of two
+    segments of two periods), remat on."""
+    cfg = cfg_of("model_name=tiny", "num_layers=12", "mla_every=2", "mla_extra_layers=[]", "attn_res_block_size=4",
+                 "kda_impl=reference")
+    flat_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attn_res_segment_scan=False))
+    seg, flat = randomize(M.build(cfg, 0)), randomize(M.build(flat_cfg, 0))
+    n = flat.layout.num_periods
+    assert seg._segment_runs(np.array([[flat._block_start(l) for l in flat.layout.period_layers(i)]
+                                       for i in range(n)])) == [(0, 1, 1, False), (1, 2, 2, True)]
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (2, 12)))
+    segments = jnp.asarray(np.repeat([[1] * 7 + [2] * 5], 2, 0))
+
+    def loss(m):
+        h, _, _ = m.hidden(tokens, segments, remat="full")
+        return jnp.mean(h * jnp.cos(jnp.arange(h.shape[-1]))), h
+
+    (ls, hs), gs = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(seg)
+    (lf, hf), gf = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(flat)
+    np.testing.assert_array_equal(np.asarray(hs), np.asarray(hf))
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(gs)),
+                                 jax.tree_util.tree_leaves_with_path(nnx.state(gf))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
+                                   err_msg=jax.tree_util.keystr(path))

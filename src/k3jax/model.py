@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -51,10 +52,21 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("residual_mix"):
             return attn_res_mix(res["blocks"], res["n"], res["partial"], w[...], gamma[...], self.cfg.rms_norm_eps)
 
-    def _pre_mixer(self, res, first: bool, block_start):
-        """Mixer input and the residual state after a possible block boundary."""
+    def _pre_mixer(self, res, first: bool, block_start, block_closed=False):
+        """Mixer input and the residual state after a possible block boundary.
+
+        ``block_closed`` (traced bool, segment scan only): the boundary before this layer was already
+        taken, res["blocks"][n-1] holds the finished block and res["partial"] is zero; the mixer input
+        is then mixed from blocks[:n-1] + [blocks[n-1]], the very sources (and order) the unsegmented
+        walk mixes before it closes the block (slot n-1 is masked there, so its contents add 0)."""
         if not self.cfg.attn_res:
             return res["h"], res
+        if block_closed is not False:
+            closed = jnp.asarray(block_closed)
+            n = res["n"] - closed.astype(jnp.int32)
+            last = jax.lax.dynamic_index_in_dim(res["blocks"], jnp.maximum(n, 0), 0, keepdims=False)
+            mixed = {"blocks": res["blocks"], "n": n, "partial": jnp.where(closed, last, res["partial"])}
+            return self._mix(mixed, self.res.attn_res_proj, self.res.attn_res_norm), res
         x = res["partial"] if first else self._mix(res, self.res.attn_res_proj, self.res.attn_res_norm)
         if block_start is not False:
             flag = jnp.asarray(block_start)
@@ -77,10 +89,10 @@ class DecoderLayer(nnx.Module):
         res = dict(res, **{key: constrain(res[key] + f, ("batch", "seq", "act_embed"))})
         return res, aux
 
-    def __call__(self, res, segment_ids, positions, *, first=False, block_start=False, compute_aux=False,
-                 return_cache=False):
+    def __call__(self, res, segment_ids, positions, *, first=False, block_start=False, block_closed=False,
+                 compute_aux=False, return_cache=False):
         """Sequence path -> (res, aux, cache or None)."""
-        x, res = self._pre_mixer(res, first, block_start)
+        x, res = self._pre_mixer(res, first, block_start, block_closed)
         h = self.input_layernorm(x)
         with jax.named_scope("mixer"):
             a, aux, cache = self.self_attn(h, segment_ids, positions, return_cache=return_cache)
@@ -119,9 +131,10 @@ class Period(nnx.Module):
 
 
 class K3Model(nnx.Module):
-    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, dtype=jnp.float32,
-                 compute_dtype=jnp.float32):
+    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = True,
+                 dtype=jnp.float32, compute_dtype=jnp.float32):
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
+        self.segment_scan = segment_scan
         self.layout: Layout = layout(cfg, scan)
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
         self.embed_tokens = param(rngs, (), (v, d), ("vocab", "embed"), std=std, dtype=dtype)
@@ -203,8 +216,8 @@ class K3Model(nnx.Module):
                 outs["prefix"].append(o)
         if lay.num_periods:
             gdef, state = nnx.split(self.periods)
-            flags = jnp.array([[self._block_start(l) for l in lay.period_layers(i)] for i in range(lay.num_periods)],
-                              dtype=bool)
+            flags = np.array([[self._block_start(l) for l in lay.period_layers(i)] for i in range(lay.num_periods)],
+                             dtype=bool)
             entries = None if per_site is None else per_site["periods"]
 
             def body(res, xs):
@@ -216,13 +229,82 @@ class K3Model(nnx.Module):
                     out.append(o)
                 return res, out
 
-            if remat != "none":
-                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-            res, outs["periods"] = jax.lax.scan(body, res, (state, flags, entries))
+            runs = self._segment_runs(flags) if per_site is None else None
+            if runs is not None:
+                res, outs["periods"] = self._scan_segments(gdef, state, res, step, runs, remat)
+            else:
+                if remat != "none":
+                    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+                res, outs["periods"] = jax.lax.scan(body, res, (state, flags, entries))
         for site in lay.sites():
             if site.group == "tail":
                 res, o = unrolled(site, res)
                 outs["tail"].append(o)
+        return res, outs
+
+    def _segment_runs(self, flags):
+        """The periods cut at AttnRes block starts, for ``_scan_segments``: [(first period, segments,
+        periods per segment, segments start a block)], consecutive equal segments in one run; None
+        when the flat scan is used (no AttnRes, ``attn_res_segment_scan=false``, or a block start
+        inside a period rather than at its first layer).
+
+        Why: the flat scan carries the block buffer [NB, B, T, D] through every period, and its
+        backward keeps that carry once per period (K3: 22 x 8 blocks of [B, 4096, 7168], 9.6 GiB per
+        device) although it changes only at a block start (every third K3 period)."""
+        if not (self.cfg.attn_res and self.segment_scan) or flags[:, 1:].any():
+            return None
+        cuts = [0] + [i for i in range(1, len(flags)) if flags[i, 0]] + [len(flags)]
+        segs = [(a, b - a, bool(flags[a, 0])) for a, b in zip(cuts[:-1], cuts[1:])]
+        runs = []
+        for first, length, starts in segs:
+            if runs and tuple(runs[-1][2:]) == (length, starts):
+                runs[-1][1] += 1
+            else:
+                runs.append([first, 1, length, starts])
+        return [tuple(r) for r in runs]
+
+    def _scan_segments(self, gdef, state, res, step, runs, remat):
+        """The periods as scans over AttnRes segments: an outer scan over the segments of a run,
+        whose body closes the block (if the segment starts one) and runs an inner scan over the
+        segment's periods carrying only the partial sum; the block buffer is a constant of the inner
+        scan, so the backward keeps it once per segment. Same arithmetic as the flat scan (see
+        ``DecoderLayer._pre_mixer``'s block_closed). Parameters stay one stacked tree, indexed by
+        period number (no sliced copies of the weights). Returns (res, per-layer outs stacked over
+        all periods, as the flat scan returns them)."""
+        policy = REMAT_POLICIES[remat]
+        parts = []
+        for first, count, length, starts in runs:
+            def inner(carry, k, starts=starts):
+                blocks, n, partial, p0 = carry
+                period = nnx.merge(gdef, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, p0 + k, 0, False),
+                                                      state))
+                r = {"blocks": blocks, "n": n, "partial": partial}
+                out = []
+                for j, layer in enumerate(period.layers):
+                    closed = (k == 0) if (starts and j == 0) else False
+                    r, o = step(layer, r, {"first": False, "block_start": False, "block_closed": closed}, None)
+                    out.append(o)
+                return r["partial"], out
+
+            if remat != "none":
+                inner = jax.checkpoint(inner, policy=policy, prevent_cse=False)
+
+            def segment(res, i, first=first, length=length, starts=starts, inner=inner):
+                blocks, n, partial = res["blocks"], res["n"], res["partial"]
+                if starts:
+                    blocks = jax.lax.dynamic_update_index_in_dim(blocks, partial, n, 0)
+                    n, partial = n + 1, jnp.zeros_like(partial)
+                p0 = first + i * length
+
+                def body(partial, k):
+                    return inner((blocks, n, partial, p0), k)
+
+                partial, out = jax.lax.scan(body, partial, jnp.arange(length))
+                return {"blocks": blocks, "n": n, "partial": partial}, out
+
+            res, out = jax.lax.scan(segment, res, jnp.arange(count))
+            parts.append(jax.tree.map(lambda x: x.reshape((count * length,) + x.shape[2:]), out))
+        outs = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *parts)
         return res, outs
 
     # -- sequence forward ------------------------------------------------------------------------
@@ -309,7 +391,8 @@ def _sampler(cfg, seed: int):
 
 
 def _construct(cfg, rngs):
-    return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers, dtype=jnp.dtype(cfg.train.weight_dtype),
+    return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
+                   segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
                    compute_dtype=jnp.dtype(cfg.train.dtype))
 
 
