@@ -219,7 +219,7 @@ def choose_vocab_axes(mesh, b: int, t: int, vocab: int, *, batch_axes: Sequence[
     Why not simply every parameter axis: with K3 on v5p-2048 (fsdp=8 x expert=128, one row of 4096
     tokens per device) A = fsdp x expert would leave a [7168, 160] slice but send each device the
     hidden states of 4M tokens (60 GB) three times a step; the head's own vocabulary axis (tensor,
-    size 1 there) splits nothing. The minimum there is A = (fsdp,): an [7168, 20480] slice (0.55
+    size 1 there) splits nothing. The minimum there is A = (fsdp,): a [7168, 20480] slice (0.55
     GiB in f32) and 8 x 4096 gathered tokens (0.47 GB in bf16). A is never empty while some
     candidate divides V (the point of this loss is not to hold the whole head); ties go to the
     larger group."""
@@ -252,8 +252,9 @@ def vocab_parallel_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_lo
     ``batch_axes`` that divide B (as ``_row_axes``; replicated over the rest) and T over
     ``seq_axis`` when it divides T, as the model's activations are. Each device holds w[:, its
     V/|A| slice], whole along D: w enters split along D over the other token-splitting axes too
-    and is all-gathered to that slice once, so its gradient leaves reduce-scattered; the f32
-    gradient accumulated over the chunks is only the local [D, V/|A|] slice. Per chunk of
+    and is all-gathered to that slice once, so its gradient leaves reduce-scattered; the gradient
+    accumulated over the chunks is only the local [D, V/|A|] slice (in the head's dtype, as in
+    ``chunked_cross_entropy``: f32 for f32 master weights; each chunk's product is formed in f32). Per chunk of
     ``chunk`` positions of the local rows (a rematerialised scan, like ``chunked_cross_entropy``)
     the hidden states, targets and mask of the group's devices are all-gathered over the axes of
     A that split the tokens, every device computes the logits of those tokens over its slice,
@@ -331,7 +332,8 @@ def vocab_parallel_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_lo
             lse = m + jnp.log(_psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1)))
             lt = tc - off
             mine = (lt >= 0) & (lt < vl)
-            tgt = _psum(jnp.where(mine, jnp.take_along_axis(z, jnp.clip(lt, 0, vl - 1)[..., None], axis=-1)[..., 0], 0.0))
+            picked = jnp.take_along_axis(z, jnp.clip(lt, 0, vl - 1)[..., None], axis=-1)[..., 0]
+            tgt = _psum(jnp.where(mine, picked, 0.0))            # the one device holding the target
             loss = lse - tgt + z_loss_weight * lse ** 2
             first = jnp.argmax(jax.lax.stop_gradient(z), axis=-1).astype(jnp.int32) + off
             best = _psum(jnp.where(zmax == m, first, jnp.iinfo(jnp.int32).max), jax.lax.pmin)
