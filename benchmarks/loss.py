@@ -14,6 +14,14 @@ bytes, which are not comparable between the two (XLA counts a while loop's body 
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/loss.py                     # CPU table + JSON
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/loss.py --aot v5p:2x2x1     # adds the TPU compile
+
+Part 3 (--aot-mesh TOPOLOGY) compiles it for every chip of the topology as one sharded program, as
+the train step runs it: mesh fsdp=2 x expert=chips/2, one row of 4096 tokens per chip, the lm head
+(--aot-weight-dtype) laid out by sharding.param_sharding, ours (chunked, GSPMD) beside loss_impl=vocab_parallel
+(the vocabulary group chosen as the train step chooses it, and fsdp alone), and prints the compiled
+memory per chip and whether the program holds a whole [D, V] head or gradient anywhere:
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/loss.py --no-cpu --aot-mesh v5p:2x2x1
 Results: stdout tables and benchmarks/results/loss.json (--out to change).
 """
 from __future__ import annotations
@@ -132,6 +140,55 @@ def aot_part(a) -> list[dict]:
     return rows
 
 
+def aot_mesh_part(a) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from k3jax.loss import choose_vocab_axes, chunked_cross_entropy, vocab_parallel_cross_entropy
+    from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, MESH_AXES, VOCAB_PARALLEL_AXES, param_sharding
+    topo = topologies.get_topology_desc(topology_name=a.aot_mesh, platform="tpu")
+    n = len(topo.devices)
+    shape = {"data": 1, "fsdp": 2, "context": 1, "expert": n // 2, "tensor": 1}
+    mesh = Mesh(np.asarray(topo.devices).reshape([shape[x] for x in MESH_AXES]), MESH_AXES)
+    b, t, d, v = n, K3["T"], K3["D"], K3["V"]
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    w_sharding = param_sharding(mesh, (d, v), ("embed", "vocab"))
+    args = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(BATCH_AXES, None, None))),
+            jax.ShapeDtypeStruct((d, v), jnp.dtype(a.aot_weight_dtype), sharding=w_sharding),
+            jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=rows))
+    auto = choose_vocab_axes(mesh, b, t, v, batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS, candidates=VOCAB_PARALLEL_AXES)
+    impls = [("chunked", None), ("vocab_parallel", auto)] + ([("vocab_parallel", ("fsdp",))] if auto != ("fsdp",) else [])
+    out = []
+    for impl, axes in impls:
+        def loss(h, w, tg, m, impl=impl, axes=axes):
+            if impl == "chunked":
+                s, k, _ = chunked_cross_entropy(h, w, tg, m, chunk=a.chunk)
+            else:
+                s, k, _ = vocab_parallel_cross_entropy(h, w, tg, m, chunk=a.chunk, vocab_axes=axes,
+                                                       batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS)
+            return s / jnp.maximum(k, 1.0)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            # the gradients leave laid out like h and the head, as the train step pins them
+            compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)),
+                               out_shardings=(NamedSharding(mesh, P()), (args[0].sharding, w_sharding))
+                               ).trace(*args).lower().compile()
+        text = compiled.as_text()
+        row = {"impl": impl if axes is None else f"{impl} {'x'.join(axes)}", "compile_s": time.perf_counter() - t0,
+               "whole_head": any(f"{dt}[{d},{v}]" in text for dt in ("f32", "bf16")), **_mem(compiled)}
+        for k in ("temp", "argument", "output"):
+            row[f"{k}_gib"] = row[f"{k}_bytes"] / 2 ** 30
+        out.append(row)
+    print(f"\nloss fwd+bwd AOT for {a.aot_mesh} as one program, mesh {shape}: B={b} (one row per chip) T={t} D={d} "
+          f"V={v}, h bf16, lm head {a.aot_weight_dtype} sharded {w_sharding.spec}, loss_chunk_size={a.chunk}; memory per chip")
+    print_table(out, [("impl", "impl", "s"), ("whole [D,V] in HLO", "whole_head", ""), ("temp GiB", "temp_gib", ".2f"),
+                      ("args GiB", "argument_gib", ".2f"), ("outputs GiB", "output_gib", ".2f"),
+                      ("compile s", "compile_s", ".1f")])
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=2)
@@ -142,12 +199,19 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--aot", default=None, help="also AOT-compile for this TPU topology at the K3 shape")
     p.add_argument("--aot-weight-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--aot-mesh", default=None, help="also AOT-compile sharded over every chip of this TPU topology")
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU timing (part 1)")
     p.add_argument("--out", default=result_path("loss"))
     a = p.parse_args(argv)
     cpu_only()
-    payload = {"benchmark": "loss", "machine": machine(), "cpu": cpu_part(a)}
+    payload = {"benchmark": "loss", "machine": machine()}
+    if not a.no_cpu:
+        payload["cpu"] = cpu_part(a)
     if a.aot:
         payload["aot"] = {"topology": a.aot, "shape": K3, "weight_dtype": a.aot_weight_dtype, "rows": aot_part(a)}
+    if a.aot_mesh:
+        payload["aot_mesh"] = {"topology": a.aot_mesh, "tokens_per_chip": K3["T"], "weight_dtype": a.aot_weight_dtype,
+                               "rows": aot_mesh_part(a)}
     write_json(a.out, payload)
 
 

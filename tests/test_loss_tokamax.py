@@ -1,6 +1,7 @@
 """loss_impl=tokamax (tokamax's fused lm head + CE) against ours (loss_impl=chunked): the masked
 loss sum and the gradients of the hidden states and the lm head, alone and under an fsdp x tensor
-mesh of the 8 CPU devices, and one train step of the tiny model with either loss."""
+mesh of the 8 CPU devices, and two train steps of the tiny model with either loss (and with
+loss_impl=vocab_parallel, whose own tests are test_loss_vocab_parallel.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,18 +76,25 @@ def test_tokamax_xla_path_refuses_a_vocabulary_it_gets_wrong():
         tokamax_cross_entropy(h, w[:, :384], t % 384, mask, implementation="chunked_xla")
 
 
-def test_train_step_with_tokamax_loss_equals_chunked():
-    """One train step of a one-layer model: the same loss and gradient norm with either loss_impl;
-    the tokamax step logs no accuracy. (One layer on one device keeps the two step compiles small;
-    the sharded loss is the mesh test above.)"""
+@pytest.mark.parametrize("impl,devices,mesh_args", [
+    ("tokamax", 1, []),
+    ("vocab_parallel", 8, ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),   # vocabulary over tensor x fsdp
+])
+def test_train_step_with_another_loss_equals_chunked(impl, devices, mesh_args):
+    """Two train steps of a one-layer model: the same losses and gradient norm with either loss_impl;
+    the tokamax step logs no accuracy, vocab_parallel the same as ours. (One layer keeps the two
+    step compiles small; tokamax's sharded loss is the mesh test above, vocab_parallel's are in
+    test_loss_vocab_parallel.py: here it runs on fsdp=4 x tensor=2 with the head split 8 ways.)"""
     from k3jax import sharding as S
     from k3jax.state import init_state
     from k3jax.step import make_train_step
     # one MLA layer with a dense FFN, plain residuals, AdamW: the smallest step that compiles fast
     args = ["model_name=tiny", "vocab_size=2048", "num_layers=1", "mla_every=1", "first_k_dense=1", "mla_extra_layers=[]",
-            "attn_res=false", "attn_res_block_size=1", "opt_type=adamw", "use_qk_clip=false", "remat_policy=none"]
-    ours, theirs = (C.load(C.REPO_CONFIGS / "base.yml", [*args, f"loss_impl={i}"]) for i in ("chunked", "tokamax"))
-    mesh = S.make_mesh(ours, jax.devices()[:1])
+            "attn_res=false", "attn_res_block_size=1", "opt_type=adamw", "use_qk_clip=false", "remat_policy=none",
+            "lr_schedule=constant", "warmup_steps_fraction=0",   # the second step sees updated weights
+            "z_loss_weight=0" if impl == "tokamax" else "z_loss_weight=1e-3", *mesh_args]
+    ours, theirs = (C.load(C.REPO_CONFIGS / "base.yml", [*args, f"loss_impl={i}"]) for i in ("chunked", impl))
+    mesh = S.make_mesh(ours, jax.devices()[:devices])
     gdef, state, tx = init_state(ours, mesh, optimizer=True)
     rng = np.random.default_rng(0)
     b, t = 4, 16
@@ -97,12 +105,21 @@ def test_train_step_with_tokamax_loss_equals_chunked():
              "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)), "loss_mask": mask}
     with jax.set_mesh(mesh):
         batch = jax.device_put(batch, S.batch_sharding(mesh))
-        _, m1 = jax.jit(make_train_step(ours, gdef, tx))(state, batch)
-        _, m2 = jax.jit(make_train_step(theirs, gdef, tx))(state, batch)
-    assert float(m1["loss_tokens"]) == float(m2["loss_tokens"]) == 53.0
-    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
-    np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
-    assert "accuracy" in m1 and "accuracy" not in m2
+        runs = []
+        for cfg in (ours, theirs):
+            step, s, metrics = jax.jit(make_train_step(cfg, gdef, tx)), state, []
+            for _ in range(2):
+                s, m = step(s, batch)
+                metrics.append(jax.device_get(m))
+            runs.append(metrics)
+    for m1, m2 in zip(*runs):
+        assert float(m1["loss_tokens"]) == float(m2["loss_tokens"]) == 53.0
+        np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-6)
+        np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+        assert ("accuracy" in m2) == (impl != "tokamax")
+        if impl != "tokamax":
+            assert float(m2["accuracy"]) == float(m1["accuracy"])
+    assert float(runs[0][1]["loss"]) != float(runs[0][0]["loss"])   # the second step saw updated weights
 
 
 def test_tokamax_loss_config_errors():

@@ -237,6 +237,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
                 m.num_attention_heads, "num_experts_per_token": m.num_experts_per_token, "steps": t.steps,
                 "max_target_length": t.max_target_length,
                 "kda_chunk_size": k.kda_chunk_size, "attn_res_block_size": m.attn_res_block_size,
+                "loss_chunk_size": k.loss_chunk_size,
                 "gradient_accumulation_steps": t.gradient_accumulation_steps}
     for name, v in positive.items():
         if v <= 0:
@@ -298,7 +299,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     _validate_processes(cfg)
     _validate_path_schemes(cfg)
     if num_devices is not None:
-        mesh_shape(cfg, num_devices)
+        _validate_vocab_parallel(cfg, *mesh_shape(cfg, num_devices))
     if platform not in (None, "tpu") and k.loss_impl == "tokamax" and m.vocab_size % 2048:
         raise ConfigError(f"loss_impl=tokamax runs tokamax's chunked XLA loss on {platform}, which is wrong unless "
                           f"vocab_size is a multiple of 2048 (it lets padded logits into the softmax); vocab_size="
@@ -306,6 +307,21 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
         raise ConfigError(f"kda_impl=pallas_tpu compiles TPU kernels but the devices here are {platform}; "
                           f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")
+
+
+def _validate_vocab_parallel(cfg: Config, ici: dict, dcn: dict) -> None:
+    """loss_impl=vocab_parallel on more than one device needs a vocabulary axis to split: one of
+    the axes it may use (sharding.VOCAB_PARALLEL_AXES) whose size divides vocab_size. Without one
+    every device would hold the whole lm head, which is what this loss is chosen to avoid."""
+    if cfg.kernel.loss_impl != "vocab_parallel" or math.prod(ici.values()) * math.prod(dcn.values()) == 1:
+        return
+    from k3jax.sharding import VOCAB_PARALLEL_AXES   # sharding imports this module
+    v = cfg.model.vocab_size
+    sizes = {a: ici[a] * dcn[a] for a in VOCAB_PARALLEL_AXES}
+    if not any(s > 1 and v % s == 0 for s in sizes.values()):
+        raise ConfigError(f"loss_impl=vocab_parallel splits the vocabulary over one of the mesh axes {sizes}, but none "
+                          f"of them (size > 1) divides vocab_size={v}; use loss_impl=chunked or a mesh/vocabulary "
+                          "that divides")
 
 
 def _validate_tokamax_kda(cfg: Config) -> None:

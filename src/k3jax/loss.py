@@ -1,6 +1,6 @@
 """Memory-light cross-entropy over a large vocabulary (K3: 163840).
 
-Two implementations of one contract, chosen by ``loss_impl``:
+Three implementations of one contract, chosen by ``loss_impl``:
 
   chunked   ours: logits are produced ``chunk`` positions of every row at a time inside a
             rematerialised scan, so neither the forward nor the backward ever holds [B, T, V]
@@ -11,16 +11,24 @@ Two implementations of one contract, chosen by ``loss_impl``:
             falling back. It has no z-loss (config validation rejects z_loss_weight > 0 with it)
             and returns no argmax, so it counts no correct predictions (the train step then logs
             no ``accuracy``; evaluation keeps its own chunked pass).
+  vocab_parallel  ours, under ``shard_map``: the lm head's vocabulary is split over a group of
+            mesh axes and never gathered; each device computes the logits of its group's tokens
+            over its vocabulary slice and the softmax statistics are reduced over the group
+            (``vocab_parallel_cross_entropy``). Peak extra memory: the head's [D, V/|A|] slice and
+            its gradient instead of the whole [D, V] head and its gradient.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-LOSS_IMPLS = ("chunked", "tokamax")
+LOSS_IMPLS = ("chunked", "tokamax", "vocab_parallel")
 # tokamax 0.0.17's chunked_xla pads the vocabulary to a multiple of its V block (2048) with zero
 # weight columns and lets their logits (0, not -inf) into the logsumexp: with a vocabulary off
 # that multiple its loss and gradients are wrong (measured: 7.84 vs 6.55 at V=384). Its Mosaic
@@ -176,3 +184,179 @@ def tokamax_cross_entropy(h, w, targets, mask, *, implementation: str, row_axes:
                               out_specs=P(axes + extra), check_vma=False)(x, labels, keep, w)
         loss = jnp.sum(parts)
     return loss, jnp.sum(keep), jnp.zeros((), jnp.float32)
+
+
+def _prod(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _entry(axes: Sequence[str]):
+    """PartitionSpec entry for a dimension split over ``axes`` (None, a name or a tuple)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _token_axes(mesh, b: int, t: int, batch_axes, seq_axis) -> tuple[tuple[str, ...], str | None]:
+    """(axes splitting the B rows, axis splitting T or None): ``_row_axes`` for the rows (a tiny
+    batch keeps the axes that divide it and is replicated over the rest, which is a local slice of
+    however the activations were laid out), the sequence axis when it divides T."""
+    rows = _row_axes(b, mesh, batch_axes)
+    seq = seq_axis if seq_axis and mesh.shape.get(seq_axis, 1) > 1 and t % mesh.shape[seq_axis] == 0 else None
+    return rows, seq
+
+
+def choose_vocab_axes(mesh, b: int, t: int, vocab: int, *, batch_axes: Sequence[str], seq_axis: str | None,
+                      candidates: Sequence[str]) -> tuple[str, ...]:
+    """The group A of mesh axes ``vocab_parallel_cross_entropy`` splits the vocabulary over, for
+    [B=b, T=t] tokens: the subset of ``candidates`` (sizes > 1, product dividing ``vocab``) that
+    minimises what each device holds and moves per step, G * N + V / |A| elements of width D:
+
+      G * N   the tokens whose hidden states it receives (N local tokens times G, the size of the
+              axes of A that split the tokens; an axis that holds replicas of the rows, tensor,
+              costs nothing), all-gathered chunk by chunk in the forward and its recomputation and
+              reduce-scattered as dh in the backward;
+      V/|A|   its slice of the head, held with its f32 gradient for the whole loss.
+
+    Why not simply every parameter axis: with K3 on v5p-2048 (fsdp=8 x expert=128, one row of 4096
+    tokens per device) A = fsdp x expert would leave a [7168, 160] slice but send each device the
+    hidden states of 4M tokens (60 GB) three times a step; the head's own vocabulary axis (tensor,
+    size 1 there) splits nothing. The minimum there is A = (fsdp,): a [7168, 20480] slice (0.55
+    GiB in f32) and 8 x 4096 gathered tokens (0.47 GB in bf16). A is never empty while some
+    candidate divides V (the point of this loss is not to hold the whole head); ties go to the
+    larger group."""
+    free = {a: s for a, s in mesh.shape.items() if a not in mesh.manual_axes}
+    rows, seq = _token_axes(mesh, b, t, batch_axes, seq_axis)
+    split = set(rows) | ({seq} if seq else set())
+    n_local = b * t // _prod(mesh, (*rows, *([seq] if seq else [])))
+    cand = [a for a in dict.fromkeys(candidates) if free.get(a, 1) > 1]
+    best, best_key = (), None
+    for k in range(1, len(cand) + 1):
+        for group in itertools.combinations(cand, k):
+            size = _prod(mesh, group)
+            if vocab % size:
+                continue
+            key = (_prod(mesh, [a for a in group if a in split]) * n_local + vocab // size, -size)
+            if best_key is None or key < best_key:
+                best, best_key = group, key
+    return best
+
+
+def vocab_parallel_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weight: float = 0.0,
+                                 vocab_axes: Sequence[str], batch_axes: Sequence[str] = (),
+                                 seq_axis: str | None = None):
+    """``chunked_cross_entropy``'s contract with the lm head's vocabulary split over the mesh axes
+    ``vocab_axes`` (A; ``choose_vocab_axes`` picks them for the train step): h [B,T,D], w [D,V],
+    targets [B,T] int, mask [B,T] -> (sum of masked token losses incl. z-loss, sum of mask, number
+    of correct argmax predictions), f32, the same values as ``chunked_cross_entropy``.
+
+    Layout inside the ``shard_map`` (manual over every mesh axis): the rows are split over the
+    ``batch_axes`` that divide B (as ``_row_axes``; replicated over the rest) and T over
+    ``seq_axis`` when it divides T, as the model's activations are. Each device holds w[:, its
+    V/|A| slice], whole along D: w enters split along D over the other token-splitting axes too
+    and is all-gathered to that slice once, so its gradient leaves reduce-scattered; the gradient
+    accumulated over the chunks is only the local [D, V/|A|] slice (in the head's dtype, as in
+    ``chunked_cross_entropy``: f32 for f32 master weights; each chunk's product is formed in f32). Per chunk of
+    ``chunk`` positions of the local rows (a rematerialised scan, like ``chunked_cross_entropy``)
+    the hidden states, targets and mask of the group's devices are all-gathered over the axes of
+    A that split the tokens, every device computes the logits of those tokens over its slice,
+    and the logsumexp comes from a pmax and a psum over A, the target logit from a masked local
+    lookup and a psum, the argmax from a pmax of the value and a pmin of the (global) index that
+    reaches it: the first maximum, as jnp.argmax. The backward is JAX's transpose of that program
+    (shard_map's varying-axes typing on): dh is reduce-scattered back to the rows' owners (then
+    summed over the axes of A that hold replicas of the rows, tensor), dw stays local until the
+    one reduce-scatter over the groups.
+
+    Axes of A must be mesh axes whose sizes multiply to a divisor of V (ValueError otherwise);
+    size-1 axes are dropped, and with no axis left (one device, no mesh) it is the chunked loss
+    of the local rows."""
+    b, t, d = h.shape
+    v = w.shape[1]
+    mesh = jax.sharding.get_abstract_mesh()
+    free = {} if mesh.empty else {a: s for a, s in mesh.shape.items() if a not in mesh.manual_axes}
+    if not mesh.empty:
+        explicit = [a for a in free if mesh.axis_types[mesh.axis_names.index(a)] == jax.sharding.AxisType.Explicit]
+        if explicit:
+            raise ValueError(f"vocab_parallel_cross_entropy needs Auto mesh axes; {explicit} are Explicit")
+    missing = [a for a in vocab_axes if a not in free]
+    if missing:
+        raise ValueError(f"vocab_axes {tuple(vocab_axes)}: {missing} are not (non-manual) axes of the mesh "
+                         f"{dict(free)}")
+    group = tuple(a for a in dict.fromkeys(vocab_axes) if free[a] > 1)
+    if group and v % _prod(mesh, group):
+        raise ValueError(f"vocab_axes {group} ({_prod(mesh, group)} devices) do not divide the vocabulary V={v}; "
+                         f"choose axes whose sizes multiply to a divisor of {v}")
+    if free:
+        rows, seq = _token_axes(mesh, b, t, tuple(a for a in batch_axes if a in free), seq_axis)
+    else:
+        rows, seq = (), None
+    split = (*rows, *([seq] if seq else []))
+    gather = tuple(a for a in group if a in split)           # A's axes that split the tokens
+    rep = tuple(a for a in group if a not in split)          # A's axes that hold replicas of them
+    others = tuple(a for a in split if a not in group)       # the groups: different tokens, same slice
+    w_d, size = [], 1                                        # of those, the ones that split w's D
+    for a in others:
+        if d % (size * free[a]) == 0:
+            w_d.append(a)
+            size *= free[a]
+    w_d = tuple(w_d)
+    w_sum = tuple(a for a in others if a not in w_d)
+    vl = v // _prod(mesh, group) if group else v
+    c = min(chunk, t // mesh.shape[seq] if seq else t)
+
+    def _psum(x, op=jax.lax.psum):
+        return op(x, group) if group else x
+
+    def local(h, w, targets, mask):
+        bl, tl, _ = h.shape
+        if w_d:
+            w = jax.lax.all_gather(w, w_d, axis=0, tiled=True)
+        if w_sum:   # varying from here on, so its gradient is summed over those axes once, not per chunk
+            w = jax.lax.pcast(w, w_sum, to="varying")
+        off = jax.lax.axis_index(group) * vl if group else 0
+        pad = (-tl) % c
+        nc = (tl + pad) // c
+        hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(bl, nc, c, d).swapaxes(0, 1)   # [nc, Bl, c, D]
+        tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(bl, nc, c).swapaxes(0, 1)
+        mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(bl, nc, c).swapaxes(0, 1)
+
+        @jax.checkpoint
+        def one(hc, tc, mc):
+            if rep:     # dh from the other vocabulary slices is summed after the reduce-scatter, not before
+                hc = jax.lax.pcast(hc, rep, to="varying")
+            if gather:  # the group's tokens: [G*Bl, c, D]; targets and mask are the same on every device of A
+                hc = jax.lax.all_gather(hc, gather, axis=0, tiled=True)
+                tc = jax.lax.all_gather(tc, gather, axis=0, tiled=True, to="invarying")
+                mc = jax.lax.all_gather(mc, gather, axis=0, tiled=True, to="invarying")
+            z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
+            zmax = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+            m = _psum(zmax, jax.lax.pmax)   # the shift cancels in the gradient, as in jax.nn.logsumexp
+            lse = m + jnp.log(_psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1)))
+            lt = tc - off
+            mine = (lt >= 0) & (lt < vl)
+            picked = jnp.take_along_axis(z, jnp.clip(lt, 0, vl - 1)[..., None], axis=-1)[..., 0]
+            tgt = _psum(jnp.where(mine, picked, 0.0))            # the one device holding the target
+            loss = lse - tgt + z_loss_weight * lse ** 2
+            first = jnp.argmax(jax.lax.stop_gradient(z), axis=-1).astype(jnp.int32) + off
+            best = _psum(jnp.where(zmax == m, first, jnp.iinfo(jnp.int32).max), jax.lax.pmin)
+            correct = (best == tc).astype(jnp.float32)
+            return jnp.sum(loss * mc), jnp.sum(correct * mc)
+
+        def body(acc, xs):
+            l, k = one(*xs)
+            return (acc[0] + l, acc[1] + k), None
+
+        zero = jnp.zeros((), jnp.float32)
+        if others:   # each group sums its own tokens; the carry varies over the groups like the sums
+            zero = jax.lax.pcast(zero, others, to="varying")
+        (loss, correct), _ = jax.lax.scan(body, (zero, zero), (hf, tf, mf))
+        if others:
+            loss, correct = jax.lax.psum((loss, correct), others)
+        return loss, correct
+
+    if not free or math.prod(free.values()) == 1:
+        loss, correct = local(h, w, targets, mask)
+    else:
+        r, s = _entry(rows), seq
+        loss, correct = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(r, s, None), P(_entry(w_d), _entry(group)), P(r, s), P(r, s)),
+            out_specs=(P(), P()), axis_names=frozenset(free))(h, w, targets, mask)
+    return loss, jnp.sum(mask.astype(jnp.float32)), correct

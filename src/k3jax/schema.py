@@ -141,8 +141,9 @@ class KernelConfig:
                                         ("allgather", "ring"))
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
     loss_impl: str = _f("chunked", "training cross-entropy: chunked (ours, loss_chunk_size) | tokamax (fused lm head + CE: "
-                        "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy)",
-                        ("chunked", "tokamax"))
+                        "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy) | "
+                        "vocab_parallel (ours under shard_map: the lm head's vocabulary split over mesh axes, "
+                        "never gathered)", ("chunked", "tokamax", "vocab_parallel"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,9 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
 # axis holds distinct sequence slices of the same rows, so without it here every weight would be
 # replicated context-fold.
 PARAM_SHARD_AXES = ("fsdp", "expert", "context")
+# Mesh axes loss_impl=vocab_parallel may split the lm head's vocabulary over: the head's own
+# vocabulary axis and the parameter-sharding axes (k3jax.loss.choose_vocab_axes picks the group).
+VOCAB_PARALLEL_AXES = (*_axes("vocab"), *PARAM_SHARD_AXES)
 
 
 def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None], *,

@@ -17,9 +17,10 @@ from flax import nnx
 from k3jax.config import ConfigError
 from k3jax.kernels.moe import balance
 from k3jax.layers.common import REST
-from k3jax.loss import chunked_cross_entropy, tokamax_context, tokamax_cross_entropy, tokamax_implementation
+from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, tokamax_context, tokamax_cross_entropy,
+                        tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim import qk_clip
-from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, batch_sharding
+from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, batch_sharding
 
 
 # ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
@@ -86,6 +87,17 @@ def make_loss(cfg):
             # rows split over the batch, context and tensor axes (loss.tokamax_cross_entropy)
             return tokamax_cross_entropy(h, w, targets, mask, implementation=tokamax_implementation(_platform()),
                                          row_axes=(*BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS))
+        return fn
+    if cfg.kernel.loss_impl == "vocab_parallel":
+        def fn(h, w, targets, mask):
+            # the vocabulary group is picked per traced shape (a micro-batch has fewer rows)
+            mesh = jax.sharding.get_abstract_mesh()
+            axes = () if mesh.empty else choose_vocab_axes(
+                mesh, h.shape[0], h.shape[1], w.shape[1], batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS,
+                candidates=VOCAB_PARALLEL_AXES)
+            return vocab_parallel_cross_entropy(h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size,
+                                                z_loss_weight=cfg.train.z_loss_weight, vocab_axes=axes,
+                                                batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS)
         return fn
     return lambda h, w, targets, mask: chunked_cross_entropy(
         h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight)
