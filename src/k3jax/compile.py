@@ -31,6 +31,7 @@ from k3jax.cli import run_tool
 from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
+from k3jax.feed import token_sharding
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
@@ -45,7 +46,7 @@ class DoesNotFit(RuntimeError):
 def abstract_batch(cfg, mesh, global_batch: int):
     """Train batch of [B,T]: int32 tokens/targets/segment_ids/positions and f32 loss_mask."""
     t = cfg.train.max_target_length
-    sh = batch_sharding(mesh, 2)
+    sh = token_sharding(mesh)
     spec = lambda dt: jax.ShapeDtypeStruct((global_batch, t), dt, sharding=sh)  # noqa: E731
     return {"tokens": spec(jnp.int32), "targets": spec(jnp.int32), "segment_ids": spec(jnp.int32),
             "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
