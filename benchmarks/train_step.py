@@ -44,7 +44,8 @@ from k3jax.metrics import measure_cpu_matmul_peak  # noqa: E402
 from k3jax.model import count_params  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
-from k3jax.step import data_iterator, global_batch, jit_train_step  # noqa: E402
+from k3jax.feed import host_feed  # noqa: E402
+from k3jax.step import data_iterator, jit_train_step  # noqa: E402
 
 # The training settings of each row. tiny/small: sizes a 2-core CPU steps in well under a second
 # (tiny) / a few seconds (small) while matrix work still dominates small; deepseek3-tiny: MaxText's.
@@ -83,7 +84,8 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile
     step = jit_train_step(cfg, gdef, tx, state)
     data = data_iterator(cfg, gb)
     n_prof = 2 if profile_dir else 0
-    batches = [global_batch(next(data), mesh, gb) for _ in range(warmup + repeats + n_prof)]
+    feed = host_feed(mesh, gb, seq)
+    batches = [feed.put(next(data)) for _ in range(warmup + repeats + n_prof)]
     it = iter(batches)
     holder = {"state": state, "loss": []}
 

@@ -109,17 +109,38 @@ class Checkpointer:
             return []
         return sorted({int(m.group(1)) for f in d.iterdir() if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name))})
 
-    def restore(self, step: int, abstract_params, abstract_opt_state, abstract_extra, data_iter=None):
+    def saved_data_shards(self, step: int) -> list[tuple[int, int]] | None:
+        """The data shard (index, count) of each process's iterator state of ``step``, by process
+        index, as saved by as many processes as this run has (None when they were not). States saved
+        before they named their shard are their process's own."""
+        import json
+        n = jax.process_count()
+        out = []
+        for i in range(n):
+            f = self.directory / str(step) / "data" / f"process_{i}-of-{n}.json"
+            if not f.exists():
+                return None
+            state = json.loads(f.read_text())
+            out.append(tuple(state["data_shard"]) if "data_shard" in state else (i, n))
+        return out
+
+    def restore(self, step: int, abstract_params, abstract_opt_state, abstract_extra, data_iter=None,
+                data_shards=None):
         """Restore onto the shardings carried by the abstract targets (any mesh shape, any process
-        count: orbax reshards). -> (params, opt_state, extra, data_restored): the data iterator's
-        state is restored when it was saved by as many processes as this run has; otherwise (an
-        elastic restart) ``data_restored`` is False and the caller repositions the iterator."""
+        count: orbax reshards). -> (params, opt_state, extra, data_restored): the data iterators'
+        states are restored when every process saved one for the data shard it reads now
+        (``data_shards``: (shard, num_shards) of every process, by process index; default: this
+        single process's iterator's); otherwise (an elastic restart, or a context axis that now
+        spans hosts or no longer does) ``data_restored`` is False and the caller repositions the
+        iterator. Every process decides alike from the same files, without talking to the others."""
         import grain
         args = {"params": ocp.args.StandardRestore(abstract_params),
                 "opt_state": ocp.args.StandardRestore(abstract_opt_state),
                 "extra": ocp.args.StandardRestore(abstract_extra)}
+        if data_shards is None:
+            data_shards = [getattr(data_iter, "shard", None)]
         data_restored = (self.with_data and data_iter is not None
-                         and jax.process_count() in self.data_process_counts(step))
+                         and self.saved_data_shards(step) == [tuple(s) for s in data_shards])
         if data_restored:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:

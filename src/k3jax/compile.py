@@ -31,6 +31,7 @@ from k3jax.cli import run_tool
 from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
+from k3jax.feed import token_sharding
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
@@ -45,7 +46,7 @@ class DoesNotFit(RuntimeError):
 def abstract_batch(cfg, mesh, global_batch: int):
     """Train batch of [B,T]: int32 tokens/targets/segment_ids/positions and f32 loss_mask."""
     t = cfg.train.max_target_length
-    sh = batch_sharding(mesh, 2)
+    sh = token_sharding(mesh)
     spec = lambda dt: jax.ShapeDtypeStruct((global_batch, t), dt, sharding=sh)  # noqa: E731
     return {"tokens": spec(jnp.int32), "targets": spec(jnp.int32), "segment_ids": spec(jnp.int32),
             "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
@@ -187,7 +188,8 @@ def collective_bytes(cfg, params, mesh) -> dict:
     ep = mesh.shape.get("expert", 1)
     moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
     width = m.moe_latent_size or m.hidden_size
-    rows = t.per_device_batch_size * t.max_target_length * m.num_experts_per_token
+    # each device routes its own tokens: pdb rows of T / context positions
+    rows = t.per_device_batch_size * t.max_target_length / mesh.shape.get("context", 1) * m.num_experts_per_token
     if k.moe_mode == "capacity":
         rows *= k.capacity_factor
     act = jnp.dtype(cfg.train.dtype).itemsize
@@ -208,14 +210,14 @@ def context_collective_bytes(cfg, cp: int, passes: int) -> float:
       [rows, H, K, K + V]; with ``ring`` cp - 1 rounds of one [rows, H, K, V] state;
     - the short convs take the previous slice's last kda_conv_size - 1 inputs of q, k and v (f32).
 
-    Per device: pdb x T tokens in rows = pdb x cp sequence rows of T / cp tokens (pdb =
-    per_device_batch_size). Segment-id halos, the final-state psum and QK-clip's pmax are left out
-    (a few bytes per row)."""
+    Per device: pdb rows of T / cp tokens each (pdb = per_device_batch_size; the cp devices of a
+    context group hold slices of the same rows, ``Config.global_batch_size``). Segment-id halos,
+    the final-state psum and QK-clip's pmax are left out (a few bytes per row)."""
     if cp <= 1:
         return 0.0
     m, t = cfg.model, cfg.train
-    tokens = t.per_device_batch_size * t.max_target_length
-    rows = t.per_device_batch_size * cp
+    rows = t.per_device_batch_size
+    tokens = rows * t.max_target_length / cp
     act = jnp.dtype(t.dtype).itemsize
     mla = len(m.mla_layer_set)
     kda = m.num_layers - mla

@@ -29,18 +29,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from k3jax.config import ConfigError
 from k3jax.console import timed_compile
+from k3jax.feed import host_feed, token_sharding
 from k3jax.loss import chunked_row_losses
-from k3jax.sharding import batch_sharding
-from k3jax.step import bad_data_options, global_batch, sft_options
+from k3jax.step import bad_data_options, sft_options
 
 log = logging.getLogger(__name__)
 
 
 def eval_rows(cfg, num_devices: int) -> int:
-    """Global rows of an eval batch: eval_per_device_batch_size (0 = the training one) x devices."""
-    pdb = cfg.eval.eval_per_device_batch_size or cfg.train.per_device_batch_size
-    return max(1, int(round(pdb * num_devices)))
+    """Global rows of an eval batch: eval_per_device_batch_size (0 = the training one) x devices /
+    context, as the training batch (``Config.global_batch_size``)."""
+    return cfg.global_batch_size(num_devices, cfg.eval.eval_per_device_batch_size or cfg.train.per_device_batch_size)
 
 
 def make_eval_step(cfg, gdef):
@@ -123,14 +124,12 @@ class Evaluator:
         from k3jax.data import pipeline as P
         self.cfg, self.mesh = cfg, mesh
         self.rows = eval_rows(cfg, mesh.devices.size)
-        self.procs, self.proc = jax.process_count(), jax.process_index()
-        try:   # the eval batch is sharded over the batch axes like the training batch
-            batch_sharding(mesh, 2).shard_shape((self.rows, cfg.train.max_target_length))
-            assert self.rows % self.procs == 0
-        except (ValueError, AssertionError):
-            from k3jax.config import ConfigError
+        try:   # the eval batch is sharded like the training batch, fed by data shards the same way
+            token_sharding(mesh).shard_shape((self.rows, cfg.train.max_target_length))
+            self.feed = host_feed(mesh, self.rows, cfg.train.max_target_length)
+        except (ValueError, ConfigError):
             raise ConfigError(f"the eval batch of {self.rows} rows does not split over the mesh's batch shards "
-                              f"and {self.procs} processes; change eval_per_device_batch_size") from None
+                              f"and {jax.process_count()} processes; change eval_per_device_batch_size") from None
         self.hellaswag = cfg.data.dataset_type == "sft" and cfg.data.sft_format == "hellaswag"
         self.fn = jax.jit(make_eval_step(cfg, gdef), out_shardings=NamedSharding(mesh, PartitionSpec()))
         self.compiled = None
@@ -139,8 +138,8 @@ class Evaluator:
         else:
             self.dataset, _ = P.make_dataset(
                 dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
-                seq_len=cfg.train.max_target_length, batch_size=self.rows // self.procs, seed=cfg.data.data_seed,
-                shuffle=False, num_epochs=1, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
+                seq_len=cfg.train.max_target_length, batch_size=self.feed.local_rows, seed=cfg.data.data_seed,
+                shuffle=False, num_epochs=1, process_index=self.feed.shard, process_count=self.feed.num_shards, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
                 text_key=cfg.data.text_key, **sft_options(cfg), **bad_data_options(cfg))
 
     def due(self, step: int) -> bool:
@@ -157,8 +156,8 @@ class Evaluator:
                     return
                 rows = self.candidates[start:start + self.rows]
                 rows = rows + [_filler_row(seq_len)] * (self.rows - len(rows))
-                per = self.rows // self.procs
-                mine = rows[self.proc * per:(self.proc + 1) * per]
+                per = self.feed.local_rows
+                mine = rows[self.feed.shard * per:(self.feed.shard + 1) * per]
                 yield {k: np.stack([r[k] for r in mine]) for k in mine[0]}
             return
         for i, batch in enumerate(iter(self.dataset)):
@@ -171,7 +170,7 @@ class Evaluator:
         t0 = time.perf_counter()
         loss, weight, correct = [], [], []
         for batch in self._local_batches():
-            g = global_batch(batch, self.mesh, self.rows)
+            g = self.feed.put(batch)
             args = (state["params"], state["rest"], g)
             if self.compiled is None:
                 with jax.set_mesh(self.mesh):

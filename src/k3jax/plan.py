@@ -5,7 +5,8 @@
 Candidates are (expert parallelism, data parallelism, context parallelism, remat policy,
 per-device batch) with fsdp filling the remaining devices of the slice, from the plan_* keys
 (``plan_context_parallelism``, default [1]: at 128K tokens one sequence's activations need several
-chips, so try e.g. [8, 16] with plan_batch_sizes below 1); expert parallelism defaults to
+chips, so try e.g. [8, 16]; a per-device batch of 1 then gives each device one row's 128K / context
+tokens, and global batch = per-device batch x devices / context rows); expert parallelism defaults to
 the three largest common divisors of num_experts and the device count (experts dominate K3's
 memory). Every candidate's train step is
 compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table

@@ -149,7 +149,7 @@ class KernelConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = _f(300, "optimizer steps")
-    per_device_batch_size: float = _f(2, "sequences per device per step (fractions allowed when < 1 device row)")
+    per_device_batch_size: float = _f(2, "sequences per device per step; under context parallelism each device holds its slice of them (global batch = this x devices / context; fractions allowed when < 1 device row)")
     max_target_length: int = _f(64, "sequence length")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     learning_rate: float = _f(3e-3, "peak learning rate")
@@ -210,7 +210,7 @@ class EvalConfig:
     eval_dataset_path: Optional[str] = _f(None, "glob of evaluation files read like the training data (dataset_type, tokenizer, sft_format); null = no evaluation")
     eval_interval: int = _f(100, "steps between evaluations (one also runs after the last step)")
     eval_steps: int = _f(10, "batches per evaluation, the same batches every time; -1 = one pass over the evaluation files")
-    eval_per_device_batch_size: float = _f(0.0, "evaluation sequences per device; 0 = per_device_batch_size")
+    eval_per_device_batch_size: float = _f(0.0, "evaluation sequences per device, counted as per_device_batch_size is; 0 = per_device_batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,5 +330,23 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.checkpoint.base_output_directory) / self.checkpoint.run_name
 
-    def global_batch_size(self, num_devices: int) -> int:
-        return max(1, int(round(self.train.per_device_batch_size * num_devices)))
+    def context_size(self, num_devices: int) -> int:
+        """Devices that hold slices of the same rows (ici x dcn context parallelism; an ici size of -1
+        is the share of ``num_devices`` the other axes leave, as in ``config.mesh_shape``)."""
+        m = self.mesh
+        dcn = m.dcn_context_parallelism
+        ici = m.ici_context_parallelism
+        if ici == -1:
+            others = 1
+            for a in MESH_AXES:
+                others *= getattr(m, f"dcn_{a}_parallelism") * (getattr(m, f"ici_{a}_parallelism") if a != "context" else 1)
+            ici = max(1, num_devices // others)
+        return ici * dcn
+
+    def global_batch_size(self, num_devices: int, per_device: float | None = None) -> int:
+        """Rows of the global batch: ``per_device`` (default per_device_batch_size) rows per device of
+        one context slice. The devices of a context group hold slices of the SAME rows, so the rows
+        are per_device x devices / context (with context=1, per_device x devices); each device holds
+        per_device rows of max_target_length / context tokens."""
+        pdb = self.train.per_device_batch_size if per_device is None else per_device
+        return max(1, int(round(pdb * num_devices / self.context_size(num_devices))))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -20,7 +19,7 @@ from k3jax.layers.common import REST
 from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, tokamax_context, tokamax_cross_entropy,
                         tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim import qk_clip
-from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, batch_sharding
+from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES
 
 
 # ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
@@ -196,17 +195,19 @@ def check_batch(cfg, num_devices: int) -> int:
     return gb
 
 
-def data_iterator(cfg, global_batch: int, tokenizer=None, *, process_index: int | None = None,
-                  process_count: int | None = None):
-    """This process's share of the training batches (a checkpointable grain iterator); another
-    process's share with ``process_index`` / ``process_count``."""
+def data_iterator(cfg, global_batch: int, tokenizer=None, *, shard: int | None = None,
+                  num_shards: int | None = None):
+    """Data shard ``shard`` of ``num_shards`` of the training batches (a checkpointable grain
+    iterator of global_batch / num_shards rows each): the rows the processes of one shard feed
+    (``feed.host_feed``: one shard per process unless a context group spans processes). Default:
+    this process of all of them."""
     from k3jax.data import pipeline as P
-    process_count = jax.process_count() if process_count is None else process_count
-    per_host = global_batch // process_count
+    num_shards = jax.process_count() if num_shards is None else num_shards
+    shard = jax.process_index() if shard is None else shard
     return P.make_pipeline(dataset_type=cfg.data.dataset_type, paths=cfg.data.dataset_path, tokenizer=tokenizer,
-                           process_index=process_index, process_count=process_count,
-                           seq_len=cfg.train.max_target_length, batch_size=per_host, seed=cfg.data.data_seed,
-                           shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
+                           process_index=shard, process_count=num_shards,
+                           seq_len=cfg.train.max_target_length, batch_size=global_batch // num_shards,
+                           seed=cfg.data.data_seed, shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
                            vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key,
                            num_epochs=cfg.data.num_epoch or None, **sft_options(cfg), **bad_data_options(cfg))
 
@@ -223,10 +224,3 @@ def sft_options(cfg) -> dict:
     d = cfg.data
     return {"sft_format": d.sft_format, "sft_overlong": d.sft_overlong,
             "sft_default_system": DEFAULT_SYSTEM if d.sft_default_system_prompt else None}
-
-
-def global_batch(batch, mesh, rows: int):
-    """This process's rows of a batch -> global [rows, ...] arrays sharded over the batch axes."""
-    sh = batch_sharding(mesh, 2)
-    return {k: jax.make_array_from_process_local_data(sh, np.asarray(v), (rows,) + v.shape[1:])
-            for k, v in batch.items()}

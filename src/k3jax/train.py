@@ -27,9 +27,10 @@ from k3jax.optim import make_schedule
 from k3jax.preemption import EXIT_STATUS as PREEMPTED_EXIT, Preemption
 from k3jax.profiler import Profiler
 from k3jax.runtime import record_tokenizer, sync_processes
-from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
+from k3jax.feed import host_feed, token_sharding
+from k3jax.sharding import make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, restore_state
-from k3jax.step import check_batch, data_iterator, global_batch, jit_train_step
+from k3jax.step import check_batch, data_iterator, jit_train_step
 
 
 class TrainingError(UserError, RuntimeError):
@@ -50,7 +51,10 @@ def train(cfg, *, on_step=None) -> dict:
     if lead:
         (run_dir / "config.yml").write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))
     tok = record_tokenizer(cfg, run_dir, write=lead)   # <run>/tokenizer: what decode and serve read with the checkpoints
-    data = data_iterator(cfg, gb, tok)    # opens the files and checks their first records
+    feed = host_feed(mesh, gb, cfg.train.max_target_length)   # this process's rows and sequence slices
+    if jax.process_count() > 1:
+        print(feed.describe(), flush=True)
+    data = data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)   # opens the files, checks records
     if cfg.eval.eval_dataset_path:
         check_eval_data(cfg, tok)
     ckpt = last = None
@@ -61,11 +65,11 @@ def train(cfg, *, on_step=None) -> dict:
     if last is not None:  # resume: the full state (and the data position) straight into the shardings
         gdef, abstract, tx = abstract_state(cfg, mesh, optimizer=True)
         p, o, r, data_restored = ckpt.restore(last, abstract["params"], abstract["opt_state"], abstract["rest"],
-                                              data)
+                                              data, data_shards=feed.shards)
         state = {"params": p, "opt_state": o, "rest": r}
         print(f"resumed from {run_dir / 'checkpoints' / str(last)} at step {last}")
         if not data_restored:
-            _skip_batches(data, last, ckpt.data_process_counts(last))
+            _skip_batches(data, last, ckpt.data_process_counts(last), ckpt.saved_data_shards(last), feed.shards)
     elif cfg.checkpoint.load_parameters_path:
         gdef, state, tx = restore_state(cfg, mesh, optimizer=True)
         print(f"loaded parameters from {cfg.checkpoint.load_parameters_path}")
@@ -94,7 +98,7 @@ def train(cfg, *, on_step=None) -> dict:
                 _data_ran_out(cfg, step, start, ckpt, state, data, console)
                 break
             profiler.before(step)
-            batch = global_batch(raw, mesh, gb)
+            batch = feed.put(raw)
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, batch)
             m = jax.device_get(m)
@@ -138,12 +142,19 @@ def train(cfg, *, on_step=None) -> dict:
     return {"history": history, "state": state, "run_dir": run_dir, "preempted": preempted}
 
 
-def _skip_batches(data, step: int, saved_counts: list[int]) -> None:
-    """Elastic restart: the checkpoint's data-iterator state belongs to another process count, so
-    this run's iterator restarts at its step-derived position (``step`` batches in)."""
-    print(f"note: the checkpoint's data iterator was saved by {'/'.join(map(str, saved_counts)) or 'no'} "
-          f"process(es), this run has {jax.process_count()}; the data restarts at its step-derived position "
-          f"({step} batches skipped; the records are this process count's order, not the saved run's)", flush=True)
+def _skip_batches(data, step: int, saved_counts: list[int], saved_shards, shards) -> None:
+    """Elastic restart: the checkpoint's data-iterator states belong to another process count, or
+    to other data shards (a context axis that spans hosts now, or no longer), so this run's
+    iterator restarts at its step-derived position (``step`` batches in)."""
+    if saved_shards is not None:
+        show = lambda s: " ".join(f"{i}/{n}" for i, n in s)  # noqa: E731
+        why = (f"holds the processes' data shards {show(saved_shards)}, this mesh reads {show(shards)} "
+               f"(processes of one context group share a shard)")
+    else:
+        why = (f"was saved by {'/'.join(map(str, saved_counts)) or 'no'} process(es), this run has "
+               f"{jax.process_count()}")
+    print(f"note: the checkpoint's data iterator {why}; the data restarts at its step-derived position "
+          f"({step} batches skipped; the records are this run's shard order, not the saved run's)", flush=True)
     for _ in range(step):
         if next(data, None) is None:
             break
@@ -193,7 +204,7 @@ def check_resumable(cfg, run_dir) -> None:
 def compile_train_step(cfg, gdef, tx, state, mesh, rows: int):
     """The train step compiled ahead of the first batch, against the batch's shapes and sharding,
     with its compile time reported apart from the step times (and so out of the ETA)."""
-    sh = batch_sharding(mesh, 2)
+    sh = token_sharding(mesh)
     t = cfg.train.max_target_length
     batch = {k: jax.ShapeDtypeStruct((rows, t), np.float32 if k == "loss_mask" else np.int32, sharding=sh)
              for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}

@@ -312,20 +312,31 @@ def finalize_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 class PipelineIterator(grain.DatasetIterator):
     """The batch iterator: a grain DatasetIterator (exact `get_state`/`set_state`, works with
-    `grain.checkpoint.CheckpointSave/Restore`) that also carries the pipeline's `stats`."""
+    `grain.checkpoint.CheckpointSave/Restore`) that also carries the pipeline's `stats` and its
+    data shard `(index, count)` (the record slice it reads).
 
-    def __init__(self, parent: grain.DatasetIterator, stats: PipelineStats):
+    The state names the shard, since a state only continues the pipeline of its own shard: which
+    shard a process reads depends on the mesh as well as the process count (processes of one
+    context group share a shard), so a restart with as many processes may still read another."""
+
+    def __init__(self, parent: grain.DatasetIterator, stats: PipelineStats, shard: tuple[int, int]):
         super().__init__(parent)
-        self.stats = stats
+        self.stats, self.shard = stats, tuple(shard)
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._parent)
 
     def get_state(self) -> dict[str, Any]:
-        return self._parent.get_state()
+        return {"data_shard": list(self.shard), "pipeline": self._parent.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(state)
+        if "pipeline" not in state:   # saved before states named their shard
+            self._parent.set_state(state)
+            return
+        if tuple(state["data_shard"]) != self.shard:
+            raise ValueError(f"the data-iterator state is of data shard {tuple(state['data_shard'])}, this pipeline "
+                             f"reads shard {self.shard}")
+        self._parent.set_state(state["pipeline"])
 
 
 def pipeline_stats(it: PipelineIterator) -> dict[str, int]:
@@ -426,8 +437,9 @@ def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeni
       seq_len, batch_size: T and the PER-HOST B of every batch.
       seed: shuffle / packing / synthetic-data seed; the same seed gives the same batches.
       shuffle: global index shuffle (reshuffled every epoch) and packed-bin shuffle.
-      process_index, process_count: this host's slice (default: jax.process_index/count());
-        host i reads records i, i+n, i+2n, ... so hosts never share a record.
+      process_index, process_count: the data shard to read (default: this host's,
+        jax.process_index/count()); shard i reads records i, i+n, i+2n, ... so shards never share
+        a record (the processes of one context group read one shard: k3jax.feed).
       bad_data: "skip" (log file:line with logging.warning, count, continue) or "fatal" (raise
         `DataError` naming file:line).
       vocab_size: token range of synthetic data.
@@ -440,9 +452,14 @@ def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeni
     Returns:
       `PipelineIterator` yielding the [B, T] batch dict described in the module docstring.
     """
+    if process_index is None or process_count is None:
+        import jax  # only for the host's coordinates; the pipeline itself is numpy
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
     ds, stats = make_dataset(dataset_type=dataset_type, paths=paths, tokenizer=tokenizer,
                              seq_len=seq_len, batch_size=batch_size, seed=seed, shuffle=shuffle,
                              process_index=process_index, process_count=process_count,
                              bad_data=bad_data, vocab_size=vocab_size, text_key=text_key,
                              num_epochs=num_epochs, **options)
-    return PipelineIterator(iter(ds), stats)
+    return PipelineIterator(iter(ds), stats, (process_index, process_count))
