@@ -19,6 +19,7 @@ rounds (2); each side keeps its fastest round.
 
     .venv/bin/python benchmarks/decode_vs_hf.py                       # batch 1, 8, 32
     .venv/bin/python benchmarks/decode_vs_hf.py --set moe_gather_max_tokens=0   # dropless only
+    .venv/bin/python benchmarks/decode_vs_hf.py --cores 1 --set moe_impl=blocked  # k3jax on one core
 Results: a table on stdout and benchmarks/results/decode_vs_hf.json (--out).
 """
 from __future__ import annotations
@@ -44,9 +45,13 @@ from k3jax.state import load_model  # noqa: E402
 SIDE = os.path.join(ROOT, "benchmarks", "hf_decode_side.py")
 
 
+ALL_CORES = sorted(os.sched_getaffinity(0))
+
+
 def hf(python: str, *args: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
-    subprocess.run([python, SIDE, *args], check=True, env=env)
+    # transformers gets every core back whatever --cores pinned k3jax to (it sets its own threads).
+    subprocess.run([python, SIDE, *args], check=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES))
 
 
 def prepare(work: str, python: str) -> str:
@@ -71,6 +76,9 @@ def main(argv=None):
                    help="a Python with torch + transformers (>= 5) and no fla")
     p.add_argument("--hf-threads", type=int, nargs="+", default=[1],
                    help="torch thread counts to try; the fastest generate per batch is kept")
+    p.add_argument("--cores", type=int, default=0,
+                   help="pin k3jax to this many cores before jax starts (XLA:CPU sizes its thread pool "
+                        "from them; 1 = one thread, as transformers' default --hf-threads 1); 0 = all")
     p.add_argument("--set", nargs="*", default=[], help="extra k3jax key=value overrides")
     p.add_argument("--reuse-hf", action="store_true",
                    help="reuse the transformers timings in --work from an earlier run of the same prompts "
@@ -78,6 +86,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its fastest")
     p.add_argument("--out", default=result_path("decode_vs_hf"))
     a = p.parse_args(argv)
+    if a.cores:
+        # Before the first jax call: the CPU client reads the affinity when it starts. On a shared
+        # host a pool of 2 threads waits for whichever is descheduled at every parallel op.
+        os.sched_setaffinity(0, ALL_CORES[:a.cores])
     os.makedirs(a.work, exist_ok=True)
     ckpt = prepare(a.work, a.hf_python)
     cfg = C.load(overrides=[f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}", "dtype=float32",
@@ -145,7 +157,8 @@ def main(argv=None):
                      "end_to_end_ratio": h["generate_s"] / (t["prefill_s"] + t["decode_s"])})
     info = machine()
     print(f"\nGreedy decode, random Kimi Linear-shaped model (8 layers, hidden 512, 32 experts top-4, vocab "
-          f"8192), float32, prompt {a.prompt_len}, {a.new_tokens} new tokens; {info['cpu_count']} cores, "
+          f"8192), float32, prompt {a.prompt_len}, {a.new_tokens} new tokens; {info['cpu_count']} cores "
+          f"(k3jax on {a.cores or len(ALL_CORES)}), "
           f"load {info['load_avg_1min']:.1f}; overrides {a.set or 'none'}")
     for r, h in zip(rows, hf_out["rows"]):
         r["hf_threads"] = h.get("threads")

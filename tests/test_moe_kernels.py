@@ -135,7 +135,7 @@ def _moe_fn(path):
         return lambda *a: moe_dense_reference(*a, situ)
     if path == "capacity-huge":        # capacity_factor = E / k: no assignment can be dropped
         return lambda *a: moe_capacity(*a, situ, capacity_factor=E / K)[0]
-    if path.startswith("few-"):       # few-gather / few-onehot
+    if path.startswith("few-"):       # few-gather / few-onehot / few-loop
         return lambda *a: moe_few_tokens(*a, situ, path=path[4:])
     impl = path.split("-", 1)[1]
     return lambda *a: moe_dropless(*a, situ, impl=impl, interpret=True)
@@ -210,8 +210,9 @@ def test_few_token_path_rule():
     assert few_token_path(2, 4, 32, 64) == "gather"
     assert few_token_path(3, 4, 32, 64) == "onehot"
     assert few_token_path(64, 4, 32, 64) == "onehot"
-    assert few_token_path(2, 4, 32, 64, onehot=False) == "gather"   # moe_impl=blocked
-    assert few_token_path(3, 4, 32, 64, onehot=False) is None
+    assert few_token_path(2, 4, 32, 64, impl="blocked") == "loop"      # moe_impl=blocked: N*k <= 4*E
+    assert few_token_path(32, 4, 32, 64, impl="blocked") == "loop"
+    assert few_token_path(33, 4, 32, 64, impl="blocked") is None
 
 
 @pytest.mark.parametrize("block", [1, 4, 16])
@@ -235,7 +236,7 @@ def test_blocked_grouped_matmul_any_block_size(block):
                                                            * ct))(lhs))[30:])   # no gradient past the groups
 
 
-@pytest.mark.parametrize("path,n", [("few-gather", 3), ("few-onehot", N)])
+@pytest.mark.parametrize("path,n", [("few-gather", 3), ("few-onehot", N), ("few-loop", N)])
 def test_few_token_dispatch_matches_dropless(path, n):
     """Outputs and every gradient within 1e-6 relative of the dropless ragged_dot path (f32),
     with the same routing (idx, weights) fed to both; bf16 to bf16 tolerance."""
@@ -249,6 +250,20 @@ def test_few_token_dispatch_matches_dropless(path, n):
         for name, g, ref in zip(["x", "weights", "w_gate", "w_up", "w_down"], grads, want_grads):
             assert g.dtype == ref.dtype and rel_rms(g, ref) < tol, (name, dtype)
             assert np.any(np.asarray(ref) != 0), name
+
+
+@pytest.mark.parametrize("block", [1, 2, 8])
+def test_expert_ffn_blocked_skips_only_unused_blocks(block):
+    """One expert taking every row (a group over many blocks), empty experts, and rows past the
+    groups (which come out as 0): the same as the grouped-matmul FFN."""
+    from k3jax.kernels.moe.blocked import expert_ffn_blocked
+    from k3jax.kernels.moe.dispatch import expert_ffn_grouped
+    x, _, wg, wu, wd, _, _ = _problem(jnp.float32, "random")
+    sizes = jnp.asarray([0, 19, 0, 1, 0, 0, 2, 0], jnp.int32)           # 22 of N=24 rows
+    got = jax.jit(lambda s: expert_ffn_blocked(x, s, wg, wu, wd, situ, block=block))(sizes)
+    want = expert_ffn_grouped(x, sizes, wg, wu, wd, situ, impl="ragged_dot")
+    assert rel_rms(got, want) < 1e-6
+    assert not np.any(np.asarray(got[22:]))
 
 
 def test_moe_layer_picks_few_token_dispatch_below_the_limit():

@@ -94,10 +94,10 @@ def test_pallas_mxfp4_gmm_matches_reference_output_and_gradient(dtype):
     assert rel_rms(g_ours, g_ref) <= (1e-6 if dtype == jnp.float32 else 1e-2), rel_rms(g_ours, g_ref)
 
 
-@pytest.mark.parametrize("path", ["gather", "onehot"])
+@pytest.mark.parametrize("path", ["gather", "onehot", "loop"])
 def test_few_token_dispatch_takes_packed_experts(path):
     """Decode steps route through the few-token dispatch: with packed experts it decodes the chosen
-    (gather) or all (one-hot) experts and equals the dense experts the codec decodes."""
+    (gather, loop) or all (one-hot) experts and equals the dense experts the codec decodes."""
     from k3jax.kernels.moe.dispatch import moe_few_tokens
     rng = np.random.default_rng(1)
     e, d, f, n, k = 8, 64, 32, 3, 2

@@ -133,9 +133,10 @@ class MoE(nnx.Module):
         elif k.moe_impl == "dense":
             r = dispatch.moe_dense_reference(z, w, idx, *experts, self.act)
         elif path := dispatch.few_token_path(x.shape[0], c.num_experts_per_token, c.num_experts,
-                                             k.moe_gather_max_tokens, onehot=k.moe_impl != "blocked"):
-            # Decode steps and short prefills: gather the chosen experts (or one-hot over all),
-            # no sort / ragged matmul; same routing and result as dropless (docs/moe.md).
+                                             k.moe_gather_max_tokens, impl=k.moe_impl):
+            # Decode steps and short prefills: gather the chosen experts, one-hot over all, or
+            # (moe_impl=blocked) loop over the used expert blocks; no ragged matmul; same
+            # routing and result as dropless (docs/moe.md).
             r = dispatch.moe_few_tokens(z, w, idx, *experts, self.act, path=path)
         else:
             r = dispatch.moe_dropless(z, w, idx, *experts, self.act, impl=k.moe_impl,

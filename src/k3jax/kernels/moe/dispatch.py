@@ -24,6 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from k3jax.kernels.moe.blocked import expert_ffn_blocked
 from k3jax.kernels.moe.gmm import grouped_matmul
 from k3jax.kernels.moe.quantized import MXFP4, as_dense, dequantize
 
@@ -152,7 +153,7 @@ def moe_dropless(x, weights, idx, w_gate, w_up, w_down, act: Act, *, impl: str =
 
 
 def few_token_path(num_tokens: int, top_k: int, num_experts: int, max_tokens: int,
-                   onehot: bool = True) -> str | None:
+                   impl: str = "ragged_dot") -> str | None:
     """Which few-token dispatch `moe_few_tokens` runs for N tokens, or None for the dropless path.
 
     `max_tokens` is the config's `moe_gather_max_tokens` (0 = off). At or below it (decode steps,
@@ -163,30 +164,37 @@ def few_token_path(num_tokens: int, top_k: int, num_experts: int, max_tokens: in
       "onehot"  otherwise: every expert on every token as batched matmuls over E, combined with
                 the [N, E] routing weights (zero off the chosen experts); reads each expert once
                 in place, computes E/k times the needed FLOPs.
+      "loop"    `impl="blocked"` (the XLA:CPU grouped matmul) while N*k <= 4*E: the rows
+                sorted by expert in blocks (`blocked.expert_ffn_blocked`) and one loop step per
+                used block running the whole expert FFN; reads only the experts hit, computes
+                the needed rows plus block padding. Above 4 rows per expert on average the
+                blocked dropless path (three scans over blocks) is as fast.
     A few-token step is bound by reading weights; a gathered matrix costs a read, a write and a
     read, and a gather of many small slices runs below memory speed, hence the factor 4.
     Measured at D=512, F=256, E=32, k=4 on 2 shared CPU cores (ms per call, dropless / gather /
     onehot): N=1 77 / 3.2 / 10; N=2 89 / 7.7 / 12; N=4 91 / 18 / 5.5; N=32 168 / 326 / 13.
+    With `impl="blocked"` (same shapes, ms per call, blocked dropless / loop; load 7-8):
+    N=1 17 / 0.71; N=8 16 / 3.9; N=32 19 / 6.1; N=64 18 / 20 (docs/moe.md).
     The choice depends only on static shapes, so one compiled program never switches path.
-    `onehot=False` (the layer passes it with `moe_impl=blocked`) leaves the one-hot range to the
-    dropless path: the blocked grouped matmul computes only the needed rows and beat one-hot
-    there (same shapes, ms: N=8 5.8 vs 8.5; N=32 13 vs 24; N=64 14 vs 44).
     """
     if max_tokens <= 0 or num_tokens > max_tokens:
         return None
+    if impl == "blocked":
+        return "loop" if num_tokens * top_k <= 4 * num_experts else None
     if 4 * num_tokens * top_k <= num_experts:
         return "gather"
-    return "onehot" if onehot else None
+    return "onehot"
 
 
 def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str | None = None) -> jax.Array:
-    """Dropless MoE for a few tokens without the sort / ragged grouped matmul.
+    """Dropless MoE for a few tokens without the ragged grouped matmul.
 
     Same arguments and result as `moe_dropless` (the same expert choices: `idx` comes from the
     router either way; the same casts), so the two agree to f32 summation order. `path` is
-    "gather" or "onehot" (see `few_token_path`); None picks as it does (4*N*k <= E gathers).
-    Expert weights are dense arrays of the [E, D, F] / [E, F, D] shapes or packed ``MXFP4`` operands:
-    the gather path then decodes only the N x k chosen matrices, the one-hot path every expert.
+    "gather", "onehot" or "loop" (see `few_token_path`); None picks gather or onehot as it does
+    (4*N*k <= E gathers). Expert weights are dense arrays of the [E, D, F] / [E, F, D] shapes or
+    packed ``MXFP4`` operands: the gather and loop paths then decode only the chosen matrices, the
+    one-hot path every expert.
 
     Returns:
       [N, D] f32.
@@ -196,6 +204,10 @@ def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str
     e = w_gate.shape[0]
     path = path or ("gather" if 4 * n * k <= e else "onehot")
     f32 = jnp.float32
+    if path == "loop":
+        order, inverse, group_sizes = sort_by_expert(idx, e)
+        ys = expert_ffn_blocked(x[order // k], group_sizes, w_gate, w_up, w_down, act)   # [N*k, D] by expert
+        return combine(weights, ys[inverse].reshape(n, k, -1))
     if path == "gather":
         # [N, k, D, F] / [N, k, F, D]: the chosen matrices, one per (token, slot).
         wg, wu, wd = (_chosen(w, idx, x.dtype) for w in (w_gate, w_up, w_down))
@@ -205,7 +217,7 @@ def moe_few_tokens(x, weights, idx, w_gate, w_up, w_down, act: Act, *, path: str
         y = jnp.einsum("nkf,nkfd->nkd", h, wd, preferred_element_type=f32).astype(x.dtype)
         return combine(weights, y)
     if path != "onehot":
-        raise ValueError(f"few-token MoE path must be 'gather' or 'onehot', got {path!r}")
+        raise ValueError(f"few-token MoE path must be 'gather', 'onehot' or 'loop', got {path!r}")
     w_gate, w_up, w_down = (as_dense(w, x.dtype) for w in (w_gate, w_up, w_down))
     # A batched matmul per expert over x broadcast to [E, N, D]: written as "nd,edf->enf" XLA:CPU
     # folds E into the output dim and transposes every expert matrix into a [E*F, D] copy each
