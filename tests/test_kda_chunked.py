@@ -19,6 +19,7 @@ from helpers import BF16_TOL, F32_TOL, assert_close, make_inputs, rel, run, run_
 
 from k3jax.kernels.kda import kda_chunked
 from k3jax.kernels.kda.chunked import chunked_flops_per_token
+from k3jax.kernels.kda.intra import midpoint_block
 
 # id, B, T, H, K, V, segments, initial state, gate, chunk, q/k/v dtype
 # One object per chunk size, so that cases of equal shapes share one compiled function.
@@ -37,6 +38,16 @@ CASES = [
     ("t1000", 1, 1000, 1, 16, 16, "packed", True, "k3", 64, jnp.float32),
     ("t1000_pinned_one_doc", 1, 1000, 1, 16, 16, "none", True, "pinned", 64, jnp.float32),
 ]
+# The bounded relation form (lower_bound=-5, K3's gate): gates at and near the bound, resets in
+# every 16-row block, C = 16 / 32 / 64 / 128 (midpoint blocks of 16, and a chunk of one block).
+BOUNDED = {c: functools.partial(kda_chunked, chunk_size=c, lower_bound=-5.0) for c in (16, 32, 64, 128)}
+BOUNDED_CASES = [
+    ("b_t64_pinned", 2, 64, 2, 32, 32, "packed", True, "pinned", 64, jnp.float32),
+    ("b_t200_k3_c32", 1, 200, 2, 16, 32, "packed", True, "k3", 32, jnp.float32),
+    ("b_t150_pinned_c128", 1, 150, 1, 32, 16, "packed", True, "pinned", 128, jnp.float32),
+    ("b_t70_k3_c16", 1, 70, 1, 16, 16, "packed", False, "k3", 16, jnp.float32),
+    ("b_t130_bf16", 2, 130, 2, 32, 16, "packed", True, "k3", 64, jnp.bfloat16),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -49,6 +60,33 @@ def test_chunked_matches_reference(case):
     assert got[0].dtype == dtype and got[1].dtype == jnp.float32
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     assert_close(got, want, tol, skip=() if use_h0 else ("dh0",))
+
+
+@pytest.mark.parametrize("case", BOUNDED_CASES, ids=[c[0] for c in BOUNDED_CASES])
+def test_bounded_form_matches_reference(case):
+    cid, B, T, H, K, V, segs, use_h0, gate, chunk, dtype = case
+    inputs, seg, cots = make_inputs(cid, B, T, H, K, V, segs=segs, gate=gate, chunk=chunk)
+    got = run(BOUNDED[chunk], inputs, seg, cots, dtype, use_h0)
+    want = run_reference(inputs, seg, cots, dtype, use_h0)
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in got)
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    assert_close(got, want, tol, skip=() if use_h0 else ("dh0",))
+
+
+def test_bounded_form_choice_and_float64():
+    """midpoint_block picks the largest block whose factors stay <= e^40, or the general form;
+    in float64 the bounded form is exact like the general one."""
+    assert [midpoint_block(lb, 64) for lb in (None, -5.0, -0.5, -8.0, -20.0, -21.0)] == [
+        None, 16, 16, 8, 4, None]
+    assert midpoint_block(-5.0, 16) == 16
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_chunked(*(jnp.zeros((1, 8, 1, 16)),) * 4, jnp.zeros((1, 8, 1)), lower_bound=0.0)
+    inputs, seg, cots = make_inputs("f64_bounded", 2, 100, 2, 16, 8, gate="pinned", chunk=32)
+    want = run_reference(inputs, seg, cots, jnp.float64)
+    with jax.enable_x64(True):
+        got = run(functools.partial(kda_chunked, chunk_size=32, lower_bound=-5.0), inputs, seg,
+                  cots, jnp.float64)
+    assert_close(got, want, 1e-11)
 
 
 def test_chunked_float64_is_exact():

@@ -7,8 +7,9 @@ Per (b, h) and chunk of C tokens (kda.md §2.1), with the intra-chunk factors of
     S'  = dec[:, None] * S + Kg^T @ Vn    # carry to the next chunk
 
 One `lax.scan` step handles a group of G chunks (chunks_per_step): the intra-chunk algebra
-batched over the group, then the walk over its chunks, so the working set is O(G * C) tokens
-however long T is. The gradient is a `jax.custom_vjp` (kda.md §3.1): residuals are the inputs
+batched over the group, then the walk over its chunks (serially only Vn and S', the two
+matmuls that need the state; O for the whole group afterwards), so the working set is
+O(G * C) tokens however long T is. The gradient is a `jax.custom_vjp` (kda.md §3.1): residuals are the inputs
 and the chunk-start states (T/C x [K, V] per head, O(T), tagged "kda_chunk_states" for remat
 policies); one reverse scan recomputes each group's intra factors, walks back carrying dS and
 applies the intra backward. Gradients flow to q, k, v, g, beta and the initial state.
@@ -23,7 +24,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.kernels.kda.common import compute_dtype, match_vma, mm, reset_flags
-from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
+from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward, midpoint_block
 
 
 
@@ -100,17 +101,20 @@ def from_time_chunks(x: jax.Array, length: int) -> jax.Array:
 def walk_forward(f: IntraOut, h0: jax.Array):
     """Sequential chunk walk. f: IntraOut with leading [N, B, H] (N chunks in time order).
 
+    Only what needs the state runs serially (Vn = U - W S and S' = dec S + Kg^T Vn, two
+    matmuls per chunk); the output O = QG S + Aqk Vn depends on no later chunk, so it is one
+    matmul pair batched over the N chunks afterwards, from the chunk-start states and Vn.
+
     Returns O [N, B, H, C, V], the final state [B, H, K, V] and the chunk-start states
     [N, B, H, K, V] (all in h0.dtype).
     """
     def step(S, xs):
-        aqk, w, u, qg, kg, dec = xs
+        w, u, kg, dec = xs
         vn = u - mm("...ck,...kv->...cv", w, S)
-        o = mm("...ck,...kv->...cv", qg, S) + mm("...cj,...jv->...cv", aqk, vn)
-        S_next = dec[..., None] * S + mm("...ck,...cv->...kv", kg, vn)
-        return S_next, (o, S)
+        return dec[..., None] * S + mm("...ck,...cv->...kv", kg, vn), (vn, S)
 
-    S, (o, states) = lax.scan(step, match_vma(h0, f.u), tuple(f))
+    S, (vn, states) = lax.scan(step, match_vma(h0, f.u), (f.w, f.u, f.kg, f.dec))
+    o = mm("...ck,...kv->...cv", f.qg, states) + mm("...cj,...jv->...cv", f.aqk, vn)
     return o, S, states
 
 
@@ -141,38 +145,39 @@ def walk_backward(f: IntraOut, states: jax.Array, do: jax.Array, dS: jax.Array):
 # custom_vjp core on grouped time-major tensors [NG, G, B, H, C, D] (NG groups of G chunks).
 # ---------------------------------------------------------------------------------------------
 
-def _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states: bool):
+def _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, keep_states: bool):
     def body(S, x):
-        f, _ = intra_forward(*x, scale=scale, dtype=dtype)
+        f, _ = intra_forward(*x, scale=scale, dtype=dtype, block=block)
         o, S, states = walk_forward(f, S)
         return S, (o, states) if keep_states else o
 
     return lax.scan(body, h0, (q, k, v, g, beta, reset))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _core(q, k, v, g, beta, h0, reset, scale, dtype):
-    S, o = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _core(q, k, v, g, beta, h0, reset, scale, dtype, block):
+    S, o = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, keep_states=False)
     return o, S
 
 
-def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype):
-    S, (o, states) = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, keep_states=True)
+def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype, block):
+    S, (o, states) = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block,
+                                   keep_states=True)
     # The chunk-start states are the only non-input residual: T/C x [K, V] per head, O(T).
     # Named so that a remat policy can choose to drop them (then the forward reruns).
     states = checkpoint_name(states, "kda_chunk_states")
     return (o, S), (q, k, v, g, beta, h0, reset, states)
 
 
-def _core_bwd(scale, dtype, res, cts):
+def _core_bwd(scale, dtype, block, res, cts):
     q, k, v, g, beta, h0, reset, states = res
     do, dS = cts
 
     def reverse(dS, x):
         *x, states_g, do_g = x
-        f, saved = intra_forward(*x, scale=scale, dtype=dtype)
+        f, saved = intra_forward(*x, scale=scale, dtype=dtype, block=block)
         d, dS_prev = walk_backward(f, states_g, do_g.astype(dtype), dS)
-        return dS_prev, intra_backward(d, f, saved, x[1], x[2], x[4], scale=scale)
+        return dS_prev, intra_backward(d, f, saved, x[1], x[2], x[4], scale=scale, block=block)
 
     dh0, grads = lax.scan(reverse, match_vma(dS.astype(dtype), do),
                           (q, k, v, g, beta, reset, states, do), reverse=True)
@@ -184,7 +189,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def kda_chunked(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
-                segment_ids=None, chunk_size: int = 64, chunks_per_step: int | None = 4):
+                segment_ids=None, chunk_size: int = 64, chunks_per_step: int | None = 2,
+                lower_bound: float | None = None):
     """Chunked KDA forward with a memory-O(T) custom gradient.
 
     Args:
@@ -197,12 +203,20 @@ def kda_chunked(q, k, v, g, beta, *, scale: float | None = None, initial_state=N
       chunk_size: C, a power of two >= 16. Any T works (padded internally with q=k=v=beta=g=0).
       chunks_per_step: G, chunks whose intra-chunk algebra is batched in one step of the
         sequential scan (None: all chunks in one step). A small G keeps the working set at
-        O(G * C) tokens, cache-resident on CPU; it never changes the result.
+        O(G * C) tokens, cache-resident on CPU; it never changes the result (2 was fastest of
+        1, 2, 4 and 8 on CPU at T = 8192, docs/kernels.md).
+      lower_bound: None for any gate g <= 0, or a bound the caller guarantees, g >= lower_bound
+        (K3's bounded gate: -5). Then the relation matrices take the bounded form of
+        intra.rel_forward_mid (one matmul per 16-row block instead of exact elementwise
+        diagonal blocks), the same algebra with every exponential factor finite. A gate below
+        the bound breaks that guarantee; bounds below -20 get the general form.
 
     Returns:
       o [B, T, H, V] in v.dtype; final_state [B, H, K, V] float32 (float64 for float64 inputs).
     """
     check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    if lower_bound is not None and not -float("inf") < lower_bound < 0:
+        raise ValueError(f"lower_bound must be a finite negative gate bound or None, got {lower_bound}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
@@ -218,7 +232,7 @@ def kda_chunked(q, k, v, g, beta, *, scale: float | None = None, initial_state=N
     chunks = lambda x: group(to_time_chunks(x, C, nt))      # noqa: E731
     reset = group(jnp.moveaxis(chunk_resets(segment_ids, B, T, C, nt), 2, 0))   # [NG,G,B,1,C]
     o, S = _core(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0],
-                 h0, reset, scale, jnp.dtype(dtype))
+                 h0, reset, scale, jnp.dtype(dtype), midpoint_block(lower_bound, C))
     return from_time_chunks(o.reshape((nt,) + o.shape[2:]), T).astype(v.dtype), S
 
 

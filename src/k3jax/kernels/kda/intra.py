@@ -23,6 +23,9 @@ Numerics (kda.md §2.2-2.3), all in float32 (float64 if the inputs are):
     the reference n in between, every factor <= 1; the 4 x 4 diagonal blocks are exact
     elementwise products of exp(g) down the rows. Masks go inside the exponent (-inf ->
     exactly 0), so no lane ever holds inf, in the forward or the backward.
+    With gates bounded below (K3: g >= -5, `block` = midpoint_block(...)), each 16-row block
+    is instead one matmul factorised at its middle row (kda.md §2.3 "midpoint reference"):
+    every factor stays below e^40, with no elementwise diagonal blocks.
   * (I + L)^-1 by recursive block inversion over doubling block sizes (the "ladder" of kda.md
     §2.2, as accurate as forward substitution). Never Neumann doubling over a whole chunk.
 """
@@ -184,6 +187,80 @@ def rel_backward(dR: jax.Array, Xs: jax.Array, Y: jax.Array, G, levels=LEVELS):
     return dX.reshape(Xs.shape), dY.reshape(Y.shape)
 
 
+MID_EXPONENT = 40.0  # largest |exponent| of one factor of the bounded form (kda.md §2.3: K3, 16 rows)
+
+
+def midpoint_block(lower_bound: float | None, chunk: int) -> int | None:
+    """Rows per block of the bounded-gate relation form, or None for the general form.
+
+    With every gate >= lower_bound, a block of bs rows factorised at its middle row has factor
+    exponents of at most (bs / 2) |lower_bound|; the largest bs in {16, 8, 4} that keeps them
+    <= MID_EXPONENT (e^40 ~ 2e17, far from f32's e^88) is used. K3's -5 gives 16.
+    """
+    if lower_bound is None:
+        return None
+    for bs in (16, 8, 4):
+        if bs <= chunk and bs // 2 * abs(lower_bound) <= MID_EXPONENT:
+            return bs
+    return None
+
+
+def _exp_pair(a, b, mask=None):
+    """exp(a - b) for two (hi, lo) pairs, as exp(hi_a - hi_b) * exp(lo_a - lo_b).
+
+    Why not exp of the rounded sum (_gdiff): rounding an exponent of size x costs a relative
+    error of x 2^-24 in the factor; the hi difference is exact (Sterbenz) whenever the two
+    cumsums are within a factor 2, and the lo difference is tiny (|d| < 1e-2, so 1 + d + d^2/2
+    is exact to f32). `mask` (False -> exactly 0) goes inside the exponent.
+    """
+    x = a[0] - b[0]
+    if mask is not None:
+        x = jnp.where(mask, x, -jnp.inf)
+    d = a[1] - b[1]
+    return jnp.exp(x) * (1.0 + d * (1.0 + 0.5 * d))
+
+
+def _mid_factors(G, bs: int):
+    """Factors of the bounded form for G = (hi, lo, exp(g)) [..., C, D] and row blocks of bs.
+
+    With m(I) the middle row of block I:  exp(G_i - G_j) = ex[I, i] * ey[I, j] for i in I,
+        ex [..., NB, bs, D] = exp(G_i - G_m(I))      (|exponent| <= bs/2 |lower bound|)
+        ey [..., NB, C, D]  = exp(G_m(I) - G_j) for j up to the end of block I, else 0.
+    For j <= i the product is <= 1; above the diagonal inside a block it is large but finite
+    in each factor, and the callers mask those entries (a select, so no inf reaches a sum).
+    Columns far to the left underflow to 0 only where the true value is below e^-47.
+    """
+    C = G[0].shape[-2]
+    nb = C // bs
+    Gm = _gmap(lambda x: x[..., bs // 2::bs, :], G)         # middle rows [..., NB, D]
+    ex = _exp_pair(_gmap(lambda x: _blocks(x, bs), G), _gmap(lambda x: x[..., :, None, :], Gm))
+    valid = (jnp.arange(C)[None, :] < bs * (jnp.arange(nb) + 1)[:, None])[:, :, None]
+    ey = _exp_pair(_gmap(lambda x: x[..., :, None, :], Gm), _gmap(lambda x: x[..., None, :, :], G),
+                   valid)
+    return ex, ey
+
+
+def rel_forward_mid(Xs: jax.Array, Y: jax.Array, G, bs: int) -> jax.Array:
+    """rel(X, Y, G) [n, ..., C, C] for gates bounded below (midpoint_block), one matmul per
+    row block: entries j <= i are exact to rounding, entries above the diagonal are garbage
+    (finite factors; the caller masks them)."""
+    ex, ey = _mid_factors(G, bs)
+    xs = _blocks(Xs, bs) * ex                               # [n, ..., NB, bs, D]
+    ys = Y[..., None, :, :] * ey                            # [..., NB, C, D]
+    R = mm("...Iid,...Ijd->...Iij", xs, ys)
+    return R.reshape(R.shape[:-3] + (-1, R.shape[-1]))
+
+
+def rel_backward_mid(dR: jax.Array, Xs: jax.Array, Y: jax.Array, G, bs: int):
+    """Cotangents (dXs, dY) of rel_forward_mid; dR [n, ..., C, C] is 0 above the diagonal."""
+    ex, ey = _mid_factors(G, bs)
+    C = Y.shape[-2]
+    dRb = dR.reshape(dR.shape[:-2] + (C // bs, bs, C))     # [n, ..., NB, bs, C]
+    dX = mm("...Iij,...Ijd->...Iid", dRb, Y[..., None, :, :] * ey) * ex
+    dys = mm("n...Iij,n...Iid->...Ijd", dRb, _blocks(Xs, bs) * ex)   # summed over the stack
+    return dX.reshape(Xs.shape), jnp.sum(dys * ey, axis=-3)
+
+
 def unit_lower_inverse(L: jax.Array) -> jax.Array:
     """(I + L)^-1 for strictly lower triangular L [..., C, C], C a power of two.
 
@@ -234,10 +311,13 @@ class _Saved(NamedTuple):
     kdec: jax.Array   # exp(G_C - G) on the last document's rows, else 0
 
 
-def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype) -> tuple[IntraOut, _Saved]:
+def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype,
+                  block: int | None = None) -> tuple[IntraOut, _Saved]:
     """WY/UT factors of every chunk; see the module docstring for shapes.
 
-    reset may broadcast against the leading dims of q (e.g. [B, 1, NT, C]).
+    reset may broadcast against the leading dims of q (e.g. [B, 1, NT, C]). block: None for the
+    general relation form (any gate <= 0), or midpoint_block(lower_bound, C) when every gate is
+    >= lower_bound (rel_forward_mid: one matmul per row block, no elementwise diagonal blocks).
     """
     q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
     C = q.shape[-2]
@@ -251,7 +331,8 @@ def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype) -> tuple[Intr
     # (hi, lo) compensated cumsum, monotone, never restarted; plus exp(g) for diagonal blocks.
     G = (*compensated_cumsum(g), jnp.exp(g))
     qs = q * scale
-    rel = rel_forward(jnp.stack([qs, k]), k, G)            # rel(q,k) and rel(k,k) in one pass
+    stack = jnp.stack([qs, k])                             # rel(q,k) and rel(k,k) in one pass
+    rel = rel_forward(stack, k, G) if block is None else rel_forward_mid(stack, k, G, block)
     aqk = jnp.where(m_qk, rel[0], 0.0)
     rkk = jnp.where(m_kk, rel[1], 0.0)
     L = beta[..., :, None] * rkk
@@ -259,8 +340,8 @@ def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype) -> tuple[Intr
     gam = jnp.where(conn, jnp.exp(G[0] + G[1]), 0.0)       # decay since the chunk start, <= 1
     xw = beta[..., None] * gam * k
     xu = beta[..., None] * v
-    w = mm("...ij,...jd->...id", A, xw)
-    u = mm("...ij,...jd->...id", A, xu)
+    wu = mm("...ij,...jd->...id", A, jnp.concatenate([xw, xu], axis=-1))   # one wider matmul
+    w, u = wu[..., :k.shape[-1]], wu[..., k.shape[-1]:]
     GC = _gmap(lambda x: x[..., -1:, :], G)
     kdec = jnp.where(last, jnp.exp(_gdiff(GC, G)), 0.0)    # decay up to the chunk end, <= 1
     dec = jnp.where(conn[..., -1, :], jnp.exp(GC[0] + GC[1])[..., 0, :], 0.0)
@@ -269,11 +350,12 @@ def intra_forward(q, k, v, g, beta, reset, *, scale: float, dtype) -> tuple[Intr
     return out, saved
 
 
-def intra_backward(d: IntraOut, out: IntraOut, s: _Saved, k, v, beta, *, scale: float):
+def intra_backward(d: IntraOut, out: IntraOut, s: _Saved, k, v, beta, *, scale: float,
+                   block: int | None = None):
     """Cotangents (dq, dk, dv, dg, dbeta) of intra_forward for output cotangents d (kda.md §3.1).
 
-    out, s: what intra_forward returned for the same inputs (k, v, beta are its inputs, cast to
-    the compute dtype here). dq, dk, dv, dg have the shapes of q, k, v, g; dbeta [..., C].
+    out, s: what intra_forward returned for the same inputs and `block` (k, v, beta are its
+    inputs, cast to the compute dtype here). dq, dk, dv, dg have the shapes of q, k, v, g; dbeta [..., C].
 
     dg is assembled without cancellation, because its true value is often tiny next to the
     terms it is made of (gates near -5 leave only neighbouring pairs):
@@ -307,7 +389,9 @@ def intra_backward(d: IntraOut, out: IntraOut, s: _Saved, k, v, beta, *, scale: 
     dk = beta[..., None] * s.gam * dxw + dd * s.qs
     dgam = dgam + beta[..., None] * k * dxw
     # Strictly lower relation entries: d(rel)/dG = X * dX - Y * dY.
-    dxs, dy = rel_backward(jnp.stack([daqk, drkk]), jnp.stack([s.qs, k]), k, s.G)
+    dRs, Xs = jnp.stack([daqk, drkk]), jnp.stack([s.qs, k])
+    dxs, dy = (rel_backward(dRs, Xs, k, s.G) if block is None
+               else rel_backward_mid(dRs, Xs, k, s.G, block))
     dqs = dqs + dxs[0]
     dk = dk + dxs[1] + dy
     dG = s.qs * dxs[0] + k * (dxs[1] - dy) + dgam * s.gam
