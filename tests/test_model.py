@@ -178,8 +178,9 @@ def test_attn_res_segment_scan_equals_flat_scan():
     segments of two periods), remat on."""
     cfg = cfg_of("model_name=tiny", "num_layers=12", "mla_every=2", "mla_extra_layers=[]", "attn_res_block_size=4",
                  "kda_impl=reference")
+    seg_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attn_res_segment_scan=True))
     flat_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attn_res_segment_scan=False))
-    seg, flat = randomize(M.build(cfg, 0)), randomize(M.build(flat_cfg, 0))
+    seg, flat = randomize(M.build(seg_cfg, 0)), randomize(M.build(flat_cfg, 0))
     n = flat.layout.num_periods
     assert seg._segment_runs(np.array([[flat._block_start(l) for l in flat.layout.period_layers(i)]
                                        for i in range(n)])) == [(0, 1, 1, False), (1, 2, 2, True)]

@@ -131,7 +131,7 @@ class Period(nnx.Module):
 
 
 class K3Model(nnx.Module):
-    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = True,
+    def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = False,
                  dtype=jnp.float32, compute_dtype=jnp.float32):
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
         self.segment_scan = segment_scan

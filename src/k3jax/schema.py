@@ -178,7 +178,7 @@ class TrainConfig:
     weight_dtype: str = _f("float32", "parameter dtype", ("float32", "bfloat16"))
     remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
     scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
-    attn_res_segment_scan: bool = _f(True, "AttnRes: scan the periods block by block (the backward keeps the block buffer once per AttnRes block, not once per period); false = one flat scan")
+    attn_res_segment_scan: bool = _f(False, "AttnRes: scan the periods block by block (the backward keeps the block buffer once per AttnRes block, not once per period, but on the K3 v5p-2048 compile it took 5.8 GiB more per device in all; docs/architecture.md); false = one flat scan")
     log_period: int = _f(10, "steps between log lines")
     peak_tflops: Optional[float] = _f(None, "peak TFLOP/s per device for MFU; null = known table or a CPU measurement")
     enable_tensorboard: bool = _f(True, "write TensorBoard scalars")
