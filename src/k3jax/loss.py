@@ -36,23 +36,30 @@ LOSS_IMPLS = ("chunked", "tokamax", "vocab_parallel")
 TOKAMAX_XLA_VOCAB_MULTIPLE = 2048
 
 
+def _position_chunks(h, targets, mask, c: int):
+    """h [B,T,D], targets, mask [B,T] -> the same padded to a multiple of c positions and cut into
+    chunks along each row: [nc, B, c, D], [nc, B, c], [nc, B, c] f32 (padding has mask 0)."""
+    b, t, d = h.shape
+    pad = (-t) % c
+    nc = (t + pad) // c
+    hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)
+    tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    return hf, tf, mf
+
+
 def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weight: float = 0.0):
     """h [B,T,D], w [D,V], targets [B,T] int, mask [B,T] f32 ->
     (sum of masked token losses incl. z-loss, sum of mask, number of correct argmax predictions).
 
     Loss per token: logsumexp(z) - z[target] (+ z_loss_weight * logsumexp(z)^2), z in f32.
     """
-    b, t, d = h.shape
+    t = h.shape[1]
     # Chunks run along the sequence inside each row, never across rows: the batch axis is the
     # one sharded over data/fsdp/expert, and a scan over a flattened B*T axis would slice the
     # sharded dimension, which GSPMD can only do by gathering every row of the global batch onto
     # every device (the K3 compile held bf16[T, global B, D] = 56 GB per device that way).
-    c = min(chunk, t)
-    pad = (-t) % c
-    nc = (t + pad) // c
-    hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)    # [nc, B, c, D]
-    tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
-    mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    hf, tf, mf = _position_chunks(h, targets, mask, min(chunk, t))    # [nc, B, c, D], [nc, B, c] x 2
 
     @jax.checkpoint
     def one(hc, tc, mc):
@@ -79,12 +86,7 @@ def chunked_row_losses(h, w, targets, mask, *, chunk: int = 1024):
     sum [B], correct argmax predictions [B]), all f32. Per row so that one row can hold one scored
     candidate (HellaSwag endings) and so that the totals are sums of a small replicated output."""
     b, t, d = h.shape
-    c = min(chunk, t)
-    pad = (-t) % c
-    nc = (t + pad) // c
-    hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, d).swapaxes(0, 1)    # [nc, B, c, D]
-    tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
-    mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    hf, tf, mf = _position_chunks(h, targets, mask, min(chunk, t))    # [nc, B, c, D], [nc, B, c] x 2
 
     def body(acc, xs):
         hc, tc, mc = xs
@@ -306,17 +308,12 @@ def vocab_parallel_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_lo
         return op(x, group) if group else x
 
     def local(h, w, targets, mask):
-        bl, tl, _ = h.shape
         if w_d:
             w = jax.lax.all_gather(w, w_d, axis=0, tiled=True)
         if w_sum:   # varying from here on, so its gradient is summed over those axes once, not per chunk
             w = jax.lax.pcast(w, w_sum, to="varying")
         off = jax.lax.axis_index(group) * vl if group else 0
-        pad = (-tl) % c
-        nc = (tl + pad) // c
-        hf = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(bl, nc, c, d).swapaxes(0, 1)   # [nc, Bl, c, D]
-        tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(bl, nc, c).swapaxes(0, 1)
-        mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(bl, nc, c).swapaxes(0, 1)
+        hf, tf, mf = _position_chunks(h, targets, mask, c)                 # [nc, Bl, c, D], ...
 
         @jax.checkpoint
         def one(hc, tc, mc):
