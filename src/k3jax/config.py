@@ -309,13 +309,18 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
                           f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")
 
 
+# Mesh axes loss_impl=vocab_parallel may split the lm head's vocabulary over: the head's own
+# vocabulary axis and the parameter-sharding axes (k3jax.sharding checks it against its rules at
+# import; k3jax.loss.choose_vocab_axes picks the group). Here, not there: sharding imports config.
+VOCAB_PARALLEL_AXES = ("tensor", "fsdp", "expert", "context")
+
+
 def _validate_vocab_parallel(cfg: Config, ici: dict, dcn: dict) -> None:
     """loss_impl=vocab_parallel on more than one device needs a vocabulary axis to split: one of
-    the axes it may use (sharding.VOCAB_PARALLEL_AXES) whose size divides vocab_size. Without one
+    the axes it may use (VOCAB_PARALLEL_AXES) whose size divides vocab_size. Without one
     every device would hold the whole lm head, which is what this loss is chosen to avoid."""
     if cfg.kernel.loss_impl != "vocab_parallel" or math.prod(ici.values()) * math.prod(dcn.values()) == 1:
         return
-    from k3jax.sharding import VOCAB_PARALLEL_AXES   # sharding imports this module
     v = cfg.model.vocab_size
     sizes = {a: ici[a] * dcn[a] for a in VOCAB_PARALLEL_AXES}
     if not any(s > 1 and v % s == 0 for s in sizes.values()):

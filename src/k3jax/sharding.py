@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import MESH_AXES, Config, mesh_shape  # noqa: F401 - MESH_AXES re-exported
+from k3jax.config import MESH_AXES, VOCAB_PARALLEL_AXES, Config, mesh_shape  # noqa: F401 - re-exported
 
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated).
@@ -114,9 +114,10 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
 # axis holds distinct sequence slices of the same rows, so without it here every weight would be
 # replicated context-fold.
 PARAM_SHARD_AXES = ("fsdp", "expert", "context")
-# Mesh axes loss_impl=vocab_parallel may split the lm head's vocabulary over: the head's own
-# vocabulary axis and the parameter-sharding axes (k3jax.loss.choose_vocab_axes picks the group).
-VOCAB_PARALLEL_AXES = (*_axes("vocab"), *PARAM_SHARD_AXES)
+# config.VOCAB_PARALLEL_AXES (loss_impl=vocab_parallel) is the head's own vocabulary axis and the
+# parameter-sharding axes; config cannot read the rules (this module imports it), so check here.
+if VOCAB_PARALLEL_AXES != (*_axes("vocab"), *PARAM_SHARD_AXES):
+    raise ImportError(f"config.VOCAB_PARALLEL_AXES {VOCAB_PARALLEL_AXES} disagrees with the sharding rules")
 
 
 def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None], *,
