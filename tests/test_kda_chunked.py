@@ -52,25 +52,25 @@ BOUNDED_CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_chunked_matches_reference(case):
+    got = _check_against_reference(CHUNKED, case)
+    assert got[0].dtype == case[-1] and got[1].dtype == jnp.float32
+
+
+def _check_against_reference(fns, case):
+    """Outputs, state and every gradient of fns[chunk] against the reference on ``case``."""
     cid, B, T, H, K, V, segs, use_h0, gate, chunk, dtype = case
     inputs, seg, cots = make_inputs(cid, B, T, H, K, V, segs=segs, gate=gate, chunk=chunk)
-    got = run(CHUNKED[chunk], inputs, seg, cots, dtype, use_h0)
+    got = run(fns[chunk], inputs, seg, cots, dtype, use_h0)
     want = run_reference(inputs, seg, cots, dtype, use_h0)
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in got)
-    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     assert_close(got, want, tol, skip=() if use_h0 else ("dh0",))
+    return got
 
 
 @pytest.mark.parametrize("case", BOUNDED_CASES, ids=[c[0] for c in BOUNDED_CASES])
 def test_bounded_form_matches_reference(case):
-    cid, B, T, H, K, V, segs, use_h0, gate, chunk, dtype = case
-    inputs, seg, cots = make_inputs(cid, B, T, H, K, V, segs=segs, gate=gate, chunk=chunk)
-    got = run(BOUNDED[chunk], inputs, seg, cots, dtype, use_h0)
-    want = run_reference(inputs, seg, cots, dtype, use_h0)
-    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in got)
-    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
-    assert_close(got, want, tol, skip=() if use_h0 else ("dh0",))
+    _check_against_reference(BOUNDED, case)
 
 
 def test_bounded_form_choice_and_float64():
