@@ -150,6 +150,9 @@ def test_weight_collective_bytes_by_hand():
         {"weight_gather": 0.0, "grad_reduce": 0.0}
 
 
+HEADS = (2, 24, 16)
+
+
 def test_context_collective_bytes_by_hand():
     """base.yml's model (13 layers, 4 MLA: 9 KDA with H=2, K=V=16, conv 4; latent 32 + rope 8),
     T=64, per_device_batch_size=2, f32 activations, context=4, no remat (2 passes)."""
@@ -157,15 +160,28 @@ def test_context_collective_bytes_by_hand():
     m = cfg.model
     assert (m.num_layers, len(m.mla_layer_set), m.kda_num_heads, m.kda_head_dim, m.kda_conv_size,
             m.kv_lora_rank + m.qk_rope_head_dim, cfg.train.dtype) == (13, 4, 2, 16, 4, 40, "float32")
+    assert (m.num_attention_heads, m.qk_head_dim, m.v_head_dim) == HEADS
     # Per device 2 rows of 64 / 4 = 16 positions. MLA: 3 of the 4 slices' latents, 2 x 16 tokens of
-    # 40 f32 values; KDA: 3 maps of 2 x 16 x (16 + 16) f32 per row, and 3 halo tokens x 3 convs x 32
-    # channels per row.
-    mla = 3 * 32 * 40 * 4
+    # 40 f32 values, plus the zigzag's 32 queries out (H x qk_head_dim f32) and outputs back
+    # (H x v_head_dim); KDA: 3 maps of 2 x 16 x (16 + 16) f32 per row, and 3 halo tokens x 3 convs
+    # x 32 channels per row.
+    H, QK, V = HEADS
+    mla, zigzag = 3 * 32 * 40 * 4, 32 * H * (QK + V) * 4
     maps, halo = 3 * 2 * 2 * 16 * 32 * 4, 2 * 3 * 3 * 32 * 4
-    assert K.context_collective_bytes(cfg, 4, passes=2) == 2 * (4 * mla + 9 * (maps + halo))
-    ring = C.override(cfg, {"context_parallel_strategy": "ring"})    # one [2, 16, 16] state per round
+    assert K.context_collective_bytes(cfg, 4, passes=2) == 2 * (4 * (mla + zigzag) + 9 * (maps + halo))
+    ring = C.override(cfg, {"context_parallel_strategy": "ring", "context_parallel_load_balance": False})
     assert K.context_collective_bytes(ring, 4, passes=2) == 2 * (4 * mla + 9 * (maps // 2 + halo))
     assert K.context_collective_bytes(cfg, 1, passes=2) == 0.0
+
+
+def test_context_attention_factor_counts_the_busiest_shards_key_blocks():
+    """Per query half chunk, the causal average is cp half chunks of keys. Balanced: shard j's
+    two halves (j and 2cp-1-j) walk 2cp+1 of them together; unbalanced: the last shard's 4cp-1."""
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["ici_context_parallelism=4"])
+    assert K.context_attention_factor(cfg, 1) == 1.0
+    assert K.context_attention_factor(cfg, 4) == 9 / 8
+    off = C.override(cfg, {"context_parallel_load_balance": False})
+    assert K.context_attention_factor(off, 4) == 15 / 8
 
 
 def test_collective_estimate_on_the_tiny_compile(tiny_compiled):

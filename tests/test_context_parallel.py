@@ -150,12 +150,12 @@ def test_short_conv_context_parallel_matches_unsharded():
 
 
 @functools.lru_cache(maxsize=None)
-def cp_mla(block: int):
+def cp_mla(key_block: int, load_balance: bool):
     mesh = _mesh()
 
     def fn(q, lat, k_r, kv_b, seg):
         body = functools.partial(mla_context_parallel_attention, axis_name="context", scale=MLA_SCALE,
-                                 block=block)
+                                 key_block=key_block, load_balance=load_balance)
         return jax.shard_map(body, mesh=mesh, in_specs=(ROW, P(None, "context", None),
                                                         P(None, "context", None), P(), P(None, "context")),
                              out_specs=(ROW, P()))(q, lat, k_r, kv_b, seg)
@@ -180,21 +180,43 @@ def _mla_out_and_grads(args, seg, cot, fn):
 MLA_SCALE = 0.3
 
 
-@pytest.mark.parametrize("block", [8, 3], ids=["one_block", "blocks_with_padding"])
-def test_mla_context_parallel_matches_unsharded(block):
-    """B = 2, T = 64 (8 tokens per shard), 2 heads, dn 8, Rr 4, dv 8, R 16; documents start inside
-    slices, exactly at slice starts, and span slices; max logits equal the unsharded ones."""
-    B, T, H, dn, rr, dv, R = 2, 64, 2, 8, 4, 8, 16
+# id, key_block, load_balance, T: T = 64 gives 8 tokens per shard (two half chunks of 4: key
+# block 4 = one per half, 3 -> 2 = two per half); T = 40 gives 5 (odd: one chunk, unbalanced).
+MLA_CASES = [
+    ("balanced", 4, True, 64),
+    ("balanced_two_key_blocks", 3, True, 64),
+    ("unbalanced", 4, False, 64),
+    ("odd_slice", 8, True, 40),
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_context_parallel_matches_unsharded(case):
+    """B = 2, 2 heads, dn 8, Rr 4, dv 8, R 16; documents start inside slices, exactly at slice
+    starts, and span slices; max logits equal the unsharded ones."""
+    _, key_block, balance, T = case
+    B, H, dn, rr, dv, R = 2, 2, 8, 4, 8, 16
     rng = np.random.default_rng(3)
     f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
     args = (f32(B, T, H, dn + rr), f32(B, T, R), f32(B, T, rr), f32(R, H * (dn + dv)))
     starts = np.zeros((B, T), bool)
-    starts[0, [3, 8, 16, 21, 40]] = True
-    starts[1, [9, 56, 63]] = True
+    starts[0, [3, 8, 16, 21, T - 24]] = True
+    starts[1, [9, T - 8, T - 1]] = True
     seg = jnp.asarray(np.cumsum(starts, axis=1).astype(np.int32) + 1)
     cot = f32(B, T, H, dv)
-    got = _mla_out_and_grads(args, seg, cot, fn=cp_mla(block))
+    got = _mla_out_and_grads(args, seg, cot, fn=cp_mla(key_block, balance))
     want = _mla_out_and_grads(args, seg, cot, fn=_unsharded_mla)
     errs = {n: rel(a, b) for n, a, b in zip(("o", "max_logit", "dq", "dlat", "dk_r", "dkv_b"), got, want)}
     assert all(e <= F32_TOL for e in errs.values()), errs
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+
+def test_zigzag_assignment_covers_every_half_once_with_equal_work():
+    """Shard j computes half chunks j and 2n - 1 - j; together the shards cover all 2n halves
+    once, and each visits (2n + 1) half-chunks of keys."""
+    from k3jax.kernels.attention.context_parallel import zigzag_chunks
+    for n in (1, 2, 3, 8, 32):
+        got = np.array([np.asarray(zigzag_chunks(j, n)) for j in range(n)])
+        assert sorted(got.ravel().tolist()) == list(range(2 * n))
+        assert all(int(c[0]) % 2 == 0 and int(c[1]) % 2 == 1 for c in got)
+        assert set((got + 1).sum(axis=1).tolist()) == {2 * n + 1}

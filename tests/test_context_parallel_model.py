@@ -49,14 +49,21 @@ def _max_logits(tree) -> list:
 grad_fn = nnx.jit(lambda m, *a: nnx.value_and_grad(_loss, has_aux=True)(m, *a))
 
 
-def test_tiny_k3_context4_fsdp2_equals_one_device():
+@pytest.fixture(scope="module")
+def models():
+    """(cfg, mesh, the randomised tiny K3 on one device, the same weights on context=4 x fsdp=2)."""
     cfg = C.load(C.REPO_CONFIGS / "base.yml", SMALL + ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"])
     mesh = S.make_mesh(cfg)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "expert": 1, "tensor": 1}
     single = randomize(M.build(cfg, 0), seed=1)
     gdef, st, _ = init_state(cfg, mesh, seed=0)
     sharded = nnx.merge(gdef, st["params"], st["rest"])
     nnx.update(sharded, jax.device_put(nnx.state(single), jax.tree.map(lambda x: x.sharding, nnx.state(sharded))))
+    return cfg, mesh, single, sharded
+
+
+def test_tiny_k3_context4_fsdp2_equals_one_device(models):
+    cfg, mesh, single, sharded = models
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "expert": 1, "tensor": 1}
     # Weights are split over the context axis too (not replicated context-fold).
     spec = sharded.prefix[0].self_attn.q_proj[...].sharding.spec
     assert "context" in [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)], spec
@@ -84,6 +91,37 @@ def test_tiny_k3_context4_fsdp2_equals_one_device():
     errs = {p: rel(a, b) for p, a, b in zip(paths, jax.tree.leaves(nnx.state(g_g)), jax.tree.leaves(nnx.state(g_w)))}
     worst = sorted(errs.items(), key=lambda x: -x[1])[:3]
     assert worst[0][1] < 2e-4, worst
+
+
+def test_prefill_under_context_parallelism_then_decode_equals_one_device(models):
+    """A long-prompt prefill split over context=4 (the context-parallel KDA, conv and MLA kernels,
+    left padding in one row) leaves the cache and last logits of the one-device prefill; decoding
+    from that cache (the latent's cache_seq split over the context axis) continues identically."""
+    from k3jax.decode import left_pad, prefill
+    cfg, mesh, single, sharded = models
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, cfg.model.vocab_size, n).tolist() for n in (32, 27)]
+    toks, seg, start = (jnp.asarray(a) for a in left_pad(prompts))
+    total = 40                                        # room for 8 new tokens per row
+    run = nnx.jit(prefill, static_argnums=4)
+    step = nnx.jit(lambda m, tok, cache, pos, start: m.decode_step(tok, cache, pos, start))
+
+    def greedy(model, n):
+        logits, cache = run(model, toks, seg, start, total)
+        out = [logits]
+        for i in range(n):
+            logits, cache = step(model, jnp.argmax(out[-1], -1).astype(jnp.int32), cache, 32 + i, start)
+            out.append(logits)
+        return out, cache
+
+    want, cache_w = greedy(single, 3)
+    with jax.set_mesh(mesh):
+        got, cache_g = greedy(sharded, 3)
+    assert [int(x) for x in jnp.argmax(got[-1], -1)] == [int(x) for x in jnp.argmax(want[-1], -1)]
+    for a, b in zip(got, want):
+        assert rel(a, b) < 1e-5
+    for a, b in zip(jax.tree.leaves(cache_g), jax.tree.leaves(cache_w)):
+        assert rel(a, b) < 1e-5
 
 
 def test_sequence_not_splitting_into_context_slices_is_a_config_error():

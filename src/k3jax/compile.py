@@ -105,6 +105,30 @@ def compile_decode(cfg, mesh):
     return compiled, time.perf_counter() - t0, gb
 
 
+def compile_prefill(cfg, mesh):
+    """Compile ``decode.prefill`` of a max_target_length-token prompt per row into a cache of as many
+    slots: the prompt forward under the training mesh (its sequence split over the context axis, the
+    context-parallel KDA / MLA / conv kernels) and the cache it leaves, sharded as decode reads it."""
+    from k3jax.decode import prefill
+
+    gb = cfg.global_batch_size(mesh.devices.size)
+    length = cfg.train.max_target_length
+    gdef, state, _ = abstract_state(cfg, mesh)
+    params, rest = state["params"], state["rest"]
+    cache = abstract_cache(nnx.merge(gdef, params, rest), mesh, gb, length)
+    rows = batch_sharding(mesh, 1)
+    tok = jax.ShapeDtypeStruct((gb, length), jnp.int32, sharding=token_sharding(mesh))
+
+    def step(params, rest, tokens, segment_ids, start):
+        return prefill(nnx.merge(gdef, params, rest), tokens, segment_ids, start, length)
+
+    fn = jax.jit(step, out_shardings=(None, jax.tree.map(lambda x: x.sharding, cache)))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)).compile()
+    return compiled, time.perf_counter() - t0, gb
+
+
 # ---- reports ---------------------------------------------------------------------------------------
 
 def memory_report(compiled, hbm_bytes: float) -> dict:
@@ -208,7 +232,9 @@ def context_collective_bytes(cfg, cp: int, passes: int) -> float:
       values per token, activation dtype) from the cp - 1 other shards;
     - KDA combines the slices' affine state maps in f32: with ``allgather`` every (Phi, Psi)
       [rows, H, K, K + V]; with ``ring`` cp - 1 rounds of one [rows, H, K, V] state;
-    - the short convs take the previous slice's last kda_conv_size - 1 inputs of q, k and v (f32).
+    - the short convs take the previous slice's last kda_conv_size - 1 inputs of q, k and v (f32);
+    - with ``context_parallel_load_balance`` MLA's zigzag moves the slice's queries (H x qk_head_dim)
+      out and its outputs (H x v_head_dim) back, activation dtype.
 
     Per device: pdb rows of T / cp tokens each (pdb = per_device_batch_size; the cp devices of a
     context group hold slices of the same rows, ``Config.global_batch_size``). Segment-id halos,
@@ -226,7 +252,18 @@ def context_collective_bytes(cfg, cp: int, passes: int) -> float:
     state = h * dk * (dk + dk if cfg.kernel.context_parallel_strategy == "allgather" else dk) * 4
     maps = (cp - 1) * rows * state
     halo = rows * (m.kda_conv_size - 1) * 3 * h * dk * 4
+    if cfg.kernel.context_parallel_load_balance:
+        latent += tokens * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * act
     return float(passes * (mla * latent + kda * (maps + halo)))
+
+
+def context_attention_factor(cfg, cp: int) -> float:
+    """Executed over causal attention-core work on the busiest context shard: the walk visits
+    whole key blocks up to each query half chunk's end (kernels/attention/context_parallel.py), so
+    balanced shards do (2cp + 1) / 2cp of the causal average, the unbalanced last one (4cp - 1) / 2cp."""
+    if cp <= 1:
+        return 1.0
+    return (2 * cp + 1 if cfg.kernel.context_parallel_load_balance else 4 * cp - 1) / (2 * cp)
 
 
 def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0) -> dict:
@@ -241,7 +278,10 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     per_tok = counts.train_flops_per_token(m, t.max_target_length, cfg.kernel.kda_chunk_size)
     model_flops = per_tok * tokens / n_dev
     remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
-    executed = max(model_flops * remat, cost["flops"])
+    # Context parallelism: MLA's walk does more than the causal attention core on the busiest shard.
+    core = 3.0 * len(m.mla_layer_set) * counts.mla_attention_flops_per_token(m, t.max_target_length)
+    cp_extra = (context_attention_factor(cfg, cfg.context_size(n_dev)) - 1.0) * core * tokens / n_dev
+    executed = max((model_flops + cp_extra) * remat, cost["flops"])
     r = roofline(executed, cost["bytes"], chip, ici_bytes)
     r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
               "executed_flops_per_device": executed,
@@ -404,6 +444,20 @@ def run(cfg, out=print) -> dict:
         out(f"decode FLOPs per device: XLA {cost['flops']:.3e}; bytes accessed {cost['bytes']:.3e} "
             f"(scanned layers counted once by XLA)")
         out(format_decode(est, chip))
+    if cfg.compile.compile_step == "prefill":
+        compiled, secs, gb = compile_prefill(cfg, mesh)
+        mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
+        tokens = gb * cfg.train.max_target_length
+        flops = counts.forward_flops_per_token(m, cfg.train.max_target_length, cfg.kernel.kda_chunk_size) * tokens / n
+        r = roofline(flops, cost["bytes"], chip)
+        reports["prefill"] = {"memory": mem, "cost": cost, "compile_s": secs, "global_batch": gb, "estimate": r}
+        cp = mesh.shape.get("context", 1)
+        out(f"prefill: {gb} prompt(s) x {cfg.train.max_target_length} tokens (context={cp}: "
+            f"{cfg.train.max_target_length // cp} tokens per slice), compiled in {secs:.1f}s")
+        out(format_memory("prefill", mem))
+        out(f"prefill FLOPs per device: analytic forward {flops:.3e}; XLA {cost['flops']:.3e} (loop bodies once), "
+            f"bytes accessed {cost['bytes']:.3e}; roofline at peak: >= {r['step_s']:.2f}s "
+            f"({tokens / max(r['step_s'], 1e-12):.0f} prompt tokens/s on the whole slice)")
     return reports
 
 

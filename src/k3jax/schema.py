@@ -139,6 +139,10 @@ class KernelConfig:
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
     context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
                                         ("allgather", "ring"))
+    context_parallel_load_balance: bool = _f(True, "MLA under context parallelism: zigzag the query halves over the "
+                                             "context shards so each does the same causal work (two ppermutes each "
+                                             "way); false keeps each shard's own queries (the last shard then does "
+                                             "about twice the balanced work)")
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
     loss_impl: str = _f("chunked", "training cross-entropy: chunked (ours, loss_chunk_size) | tokamax (fused lm head + CE: "
                         "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy) | "
@@ -288,7 +292,8 @@ class CheckConfig:
 class CompileConfig:
     compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
     compile_topology_num_slices: int = _f(1, "compile: slices of compile_topology joined over DCN (multi-slice); the dcn_*_parallelism product must equal it")
-    compile_step: str = _f("both", "compile: train | decode | both", ("train", "decode", "both"))
+    compile_step: str = _f("both", "compile: train | decode | both (train and decode) | prefill (the prompt forward "
+                           "of max_target_length tokens per row into its cache)", ("train", "decode", "both", "prefill"))
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
     plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")

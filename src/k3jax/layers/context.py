@@ -55,8 +55,9 @@ def short_conv(x, weight, *, segment_ids):
     return _map(body, (SEQ3, P(), SEQ2), (SEQ3, P()), x.shape[1])(x, weight, segment_ids)
 
 
-def mla_attention(q, lat, k_r, kv_b, segment_ids, *, scale: float):
+def mla_attention(q, lat, k_r, kv_b, segment_ids, *, scale: float, load_balance: bool):
     """MLA attention of the context-sharded queries over the all-gathered latent -> (o, max_logit)."""
     def body(q, lat, k_r, kv_b, seg):
-        return mla_context_parallel_attention(q, lat, k_r, kv_b, seg, axis_name=AX, scale=scale)
+        return mla_context_parallel_attention(q, lat, k_r, kv_b, seg, axis_name=AX, scale=scale,
+                                              load_balance=load_balance)
     return _map(body, (SEQ4, SEQ3, SEQ3, P(), SEQ2), (SEQ4, P()), q.shape[1])(q, lat, k_r, kv_b, segment_ids)

@@ -25,6 +25,7 @@ class MLA(nnx.Module):
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.cfg, self.num_heads = cfg, h
         self.attention = get_attention_fn(kcfg.attention_impl)
+        self.cp_load_balance = kcfg.context_parallel_load_balance
         self.scale = softmax_scale(cfg)
         mat = dict(std=cfg.initializer_range, dtype=dtype, matrix=(0, 1))
         qk, r, rr = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -84,7 +85,7 @@ class MLA(nnx.Module):
         if CP.context_size() > 1:
             # The sequence is split over the context axis: all-gather the latent, not keys/values.
             o, m = CP.mla_attention(q, lat, k_r, self._w(self.kv_b_proj, x.dtype), segment_ids,
-                                    scale=self.scale)
+                                    scale=self.scale, load_balance=self.cp_load_balance)
         else:
             kv = jnp.einsum("btr,rq->btq", lat, self._w(self.kv_b_proj, x.dtype))
             kv = kv.reshape(*kv.shape[:-1], self.num_heads, -1)
