@@ -193,3 +193,11 @@ def test_collective_estimate_on_the_tiny_compile(tiny_compiled):
     assert est["t_ici"] == pytest.approx(comm["total"] / topo.chip.ici_bandwidth)
     assert est["step_s"] == max(est["t_compute"], est["t_memory"], est["t_ici"])
 
+
+
+def test_compile_dump_dir_reaches_the_compiler_options():
+    """libtpu reads no XLA_FLAGS of this process: the dump request travels in compile()'s options."""
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", [])
+    assert K.compiler_options(cfg) == {}
+    opts = K.compiler_options(C.override(cfg, {"compile_dump_dir": "/tmp/x"}))
+    assert opts == {"compiler_options": {"xla_dump_to": "/tmp/x", "xla_dump_hlo_as_text": True}}

@@ -62,6 +62,13 @@ def abstract_cache(model, mesh, batch: int, length: int):
 
 # ---- compilation -----------------------------------------------------------------------------------
 
+def compiler_options(cfg) -> dict:
+    """``compile()`` keywords: with compile_dump_dir set, the compiler (libtpu included, which reads
+    no XLA_FLAGS of ours) dumps its optimised HLO, buffer assignment and memory-usage report there."""
+    d = cfg.compile.compile_dump_dir
+    return {"compiler_options": {"xla_dump_to": str(d), "xla_dump_hlo_as_text": True}} if d else {}
+
+
 def compile_train(cfg, mesh):
     """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
     gb = check_batch(cfg, mesh.devices.size)
@@ -69,7 +76,7 @@ def compile_train(cfg, mesh):
     step = jit_train_step(cfg, gdef, tx, state)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, abstract_batch(cfg, mesh, gb)).compile()
+        compiled = step.lower(state, abstract_batch(cfg, mesh, gb)).compile(**compiler_options(cfg))
     return compiled, time.perf_counter() - t0, gb
 
 
@@ -101,7 +108,7 @@ def compile_decode(cfg, mesh):
             jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = fn.lower(*args).compile()
+        compiled = fn.lower(*args).compile(**compiler_options(cfg))
     return compiled, time.perf_counter() - t0, gb
 
 
@@ -125,7 +132,8 @@ def compile_prefill(cfg, mesh):
     fn = jax.jit(step, out_shardings=(None, jax.tree.map(lambda x: x.sharding, cache)))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)).compile()
+        compiled = fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)).compile(
+            **compiler_options(cfg))
     return compiled, time.perf_counter() - t0, gb
 
 

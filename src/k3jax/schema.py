@@ -294,6 +294,8 @@ class CompileConfig:
     compile_topology_num_slices: int = _f(1, "compile: slices of compile_topology joined over DCN (multi-slice); the dcn_*_parallelism product must equal it")
     compile_step: str = _f("both", "compile: train | decode | both (train and decode) | prefill (the prompt forward "
                            "of max_target_length tokens per row into its cache)", ("train", "decode", "both", "prefill"))
+    compile_dump_dir: Optional[str] = _f(None, "compile: have the compiler write its optimised HLO, buffer assignment and "
+                                         "memory-usage report (the largest live buffers at the peak) under this directory")
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
     plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
