@@ -201,3 +201,12 @@ def test_compile_dump_dir_reaches_the_compiler_options():
     assert K.compiler_options(cfg) == {}
     opts = K.compiler_options(C.override(cfg, {"compile_dump_dir": "/tmp/x"}))
     assert opts == {"compiler_options": {"xla_dump_to": "/tmp/x", "xla_dump_hlo_as_text": True}}
+
+
+def test_rows_that_do_not_split_over_the_batch_axes_are_a_config_error():
+    from k3jax import sharding as S
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["ici_fsdp_parallelism=8"])
+    mesh = S.make_mesh(cfg)
+    K.check_rows(mesh, 16, "prefill batch")
+    with pytest.raises(C.ConfigError, match=r"prefill batch has 1 row\(s\) but the batch axes data x fsdp x expert = 8"):
+        K.check_rows(mesh, 1, "prefill batch")

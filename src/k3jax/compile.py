@@ -62,6 +62,18 @@ def abstract_cache(model, mesh, batch: int, length: int):
 
 # ---- compilation -----------------------------------------------------------------------------------
 
+def check_rows(mesh, rows: int, what: str) -> None:
+    """The rows of a step split over the mesh's batch axes (data x fsdp x expert) or it cannot be laid
+    out: a ConfigError naming the sizes, not the compiler's IndivisibleError."""
+    spec = token_sharding(mesh).spec[0]
+    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    n = math.prod(mesh.shape[a] for a in axes)
+    if rows % n:
+        raise C.ConfigError(f"the {what} has {rows} row(s) but the batch axes {' x '.join(axes)} = {n} split rows; "
+                            f"raise per_device_batch_size (rows = per_device_batch_size x devices / context) or the "
+                            f"context parallelism so that the rows are a multiple of {n}")
+
+
 def compiler_options(cfg) -> dict:
     """``compile()`` keywords: with compile_dump_dir set, the compiler (libtpu included, which reads
     no XLA_FLAGS of ours) dumps its optimised HLO, buffer assignment and memory-usage report there."""
@@ -72,6 +84,7 @@ def compiler_options(cfg) -> dict:
 def compile_train(cfg, mesh):
     """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
     gb = check_batch(cfg, mesh.devices.size)
+    check_rows(mesh, gb, "train batch")
     gdef, state, tx = abstract_state(cfg, mesh, optimizer=True)
     step = jit_train_step(cfg, gdef, tx, state)
     t0 = time.perf_counter()
@@ -119,6 +132,7 @@ def compile_prefill(cfg, mesh):
     from k3jax.decode import prefill
 
     gb = cfg.global_batch_size(mesh.devices.size)
+    check_rows(mesh, gb, "prefill batch")
     length = cfg.train.max_target_length
     gdef, state, _ = abstract_state(cfg, mesh)
     params, rest = state["params"], state["rest"]
