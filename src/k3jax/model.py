@@ -208,7 +208,11 @@ class K3Model(nnx.Module):
                 return step(layer, res, flags, entry)
             gdef, st = nnx.split(layer)
             fn = lambda st, res, entry: step(nnx.merge(gdef, st), res, flags, entry)  # noqa: E731
-            return jax.checkpoint(fn, policy=policy, prevent_cse=False)(st, res, entry)
+            # prevent_cse=True here (unlike the scan bodies): outside a loop XLA would otherwise
+            # merge the backward's recomputation with the forward it repeats and keep the forward's
+            # activations alive through the whole backward (K3 v5p-2048: ~5 GB of prefix-layer
+            # values at the peak, read off the compiler's live-range report).
+            return jax.checkpoint(fn, policy=policy, prevent_cse=True)(st, res, entry)
 
         for site in lay.sites():
             if site.group == "prefix":
