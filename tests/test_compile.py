@@ -210,3 +210,16 @@ def test_rows_that_do_not_split_over_the_batch_axes_are_a_config_error():
     K.check_rows(mesh, 16, "prefill batch")
     with pytest.raises(C.ConfigError, match=r"prefill batch has 1 row\(s\) but the batch axes data x fsdp x expert = 8"):
         K.check_rows(mesh, 1, "prefill batch")
+
+
+def test_prefill_compiles_under_context_parallelism(capsys):
+    """compile_step=prefill: the prompt forward with the context-parallel kernels (context=4) and
+    its cache, compiled for v5p:2x2x1; the report names the slice and fits."""
+    if not TP.libtpu_available():
+        pytest.skip("libtpu is not installed: no TPU compiler")
+    cfg = C.load_from_argv(TINY4 + ["ici_context_parallelism=4", "ici_fsdp_parallelism=1", "compile_step=prefill",
+                                    "compile_topology=v5p:2x2x1", "per_device_batch_size=1", "max_target_length=256"])
+    reports = K.run(cfg)
+    assert list(reports) == ["prefill"] and reports["prefill"]["memory"]["fits"]
+    assert reports["prefill"]["global_batch"] == 1 and reports["prefill"]["estimate"]["step_s"] > 0
+    assert "context=4: 64 tokens per slice" in capsys.readouterr().out
