@@ -105,6 +105,7 @@ def decode_inputs(cfg, mesh, gb: int):
 def compile_decode(cfg, mesh):
     """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
     gb = cfg.global_batch_size(mesh.devices.size)
+    check_rows(mesh, gb, "decode batch")
     length = cfg.train.max_target_length
     gdef, state, _ = abstract_state(cfg, mesh)
     params, rest = state["params"], state["rest"]

@@ -197,7 +197,8 @@ def mla_context_parallel_attention(q, lat, k_r, kv_b, segment_ids, *, axis_name:
     chunk = t // 2 if halves else t
     kb = _largest_divisor(chunk, key_block)
     per = chunk // kb                                                  # key blocks per chunk
-    if halves and load_balance and n > 1:
+    balanced = halves and load_balance and n > 1
+    if balanced:
         first, second = _zigzag_perms(n)
         qc = jnp.stack([lax.ppermute(q[:, :chunk], axis_name, first),
                         lax.ppermute(q[:, chunk:], axis_name, second)])
@@ -213,24 +214,11 @@ def mla_context_parallel_attention(q, lat, k_r, kv_b, segment_ids, *, axis_name:
     # transpose) outside the custom VJP, which sees per-shard values only.
     kv_b = lax.pcast(kv_b, axis_name, to="varying")
     oc, m = _flash(qc, lat_all, kr_all, kv_b, chunks, segq, seg_all, chunk, kb, steps, scale, nope, axis_name)
-    if halves and load_balance and n > 1:
+    if balanced:
         inverse = lambda perm: [(dst, src) for src, dst in perm]  # noqa: E731
         o = jnp.concatenate([lax.ppermute(oc[0], axis_name, inverse(first)),
                              lax.ppermute(oc[1], axis_name, inverse(second))], axis=1)
     else:
         o = jnp.concatenate(list(oc), axis=1)
     return o, lax.pmax(lax.stop_gradient(m), axis_name)
-
-
-def context_attention_steps(tokens_per_shard: int, n: int, load_balance: bool,
-                            key_block: int = KEY_BLOCK) -> tuple[int, int, int]:
-    """(steps, query chunk, key block) of the walk above, for FLOP accounting and docs."""
-    halves = tokens_per_shard % 2 == 0
-    chunk = tokens_per_shard // 2 if halves else tokens_per_shard
-    kb = _largest_divisor(chunk, key_block)
-    per = chunk // kb
-    if halves and load_balance and n > 1:
-        return (2 * n + 1) * per, chunk, kb
-    return ((4 * n - 1) if halves else n) * per, chunk, kb
-
 
