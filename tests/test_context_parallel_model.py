@@ -124,6 +124,17 @@ def test_prefill_under_context_parallelism_then_decode_equals_one_device(models)
         assert rel(a, b) < 1e-5
 
 
+def test_generate_pads_a_short_prompt_to_the_context_slices(models):
+    """generate() under context=4 with a 3-token prompt (shorter than 4 slices of the conv halo):
+    left-padded to equal slices, it yields the one-device tokens."""
+    from k3jax.decode import generate
+    _, mesh, single, sharded = models
+    want, _ = generate(single, [[5, 6, 7]], max_new_tokens=4)
+    with jax.set_mesh(mesh):
+        got, _ = generate(sharded, [[5, 6, 7]], max_new_tokens=4)
+    assert got.tolist() == want.tolist()
+
+
 def test_sequence_not_splitting_into_context_slices_is_a_config_error():
     mesh = jax.make_mesh((4, 2), ("context", "fsdp"), axis_types=(AxisType.Auto,) * 2)
     x = jnp.zeros((2, 10, 8))

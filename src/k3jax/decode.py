@@ -20,15 +20,18 @@ from flax import nnx
 
 from k3jax import config as C
 from k3jax.cli import run_tool
+from k3jax.layers.context import context_size
 from k3jax.runtime import load_tokenizer, sync_processes, tokenizer_dir
 from k3jax.sampling import sample
 from k3jax.sharding import make_mesh
 from k3jax.state import load_model
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = 0):
-    """-> tokens [B,P] int32, segment_ids [B,P] (0 on padding, 1 on the prompt), start [B]."""
-    p = max(len(x) for x in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int = 0, multiple: int = 1, min_len: int = 1):
+    """-> tokens [B,P] int32, segment_ids [B,P] (0 on padding, 1 on the prompt), start [B]; P is the
+    longest prompt (at least ``min_len``) rounded up to ``multiple`` (a context axis splits P into
+    equal slices)."""
+    p = -(-max(min_len, *(len(x) for x in prompts)) // multiple) * multiple
     toks = np.full((len(prompts), p), pad_id, np.int32)
     seg = np.zeros((len(prompts), p), np.int32)
     for i, ids in enumerate(prompts):
@@ -57,9 +60,13 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
              temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0):
     """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict). Call it
     under ``jax.set_mesh(mesh)`` for a sharded model."""
-    toks, seg, start = left_pad(prompts, pad_id)
+    # Under a context mesh the prompt and the cache split into equal slices, each holding at least
+    # the short conv's halo (kda_conv_size - 1 tokens).
+    cp = context_size()
+    halo = cp * (model.cfg.kda_conv_size - 1) if cp > 1 else 1
+    toks, seg, start = left_pad(prompts, pad_id, multiple=cp, min_len=halo)
     b, p = toks.shape
-    total = p + max_new_tokens
+    total = -(-(p + max_new_tokens) // cp) * cp
     gdef, state = nnx.split(model)
     stop = jnp.asarray(list(stop_ids) or [-2], jnp.int32)
     samp = functools.partial(sample, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
