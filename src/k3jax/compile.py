@@ -102,14 +102,20 @@ def decode_inputs(cfg, mesh, gb: int):
     return params, rest, abstract_cache(model, mesh, gb, length), model.cache_spec(gb, length)
 
 
-def compile_decode(cfg, mesh):
-    """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
+def _serving_state(cfg, mesh, what: str):
+    """(rows, graphdef, params, rest, cache of max_target_length slots) of the decode and prefill
+    compiles, abstract and sharded; the rows must split over the batch axes."""
     gb = cfg.global_batch_size(mesh.devices.size)
-    check_rows(mesh, gb, "decode batch")
-    length = cfg.train.max_target_length
+    check_rows(mesh, gb, what)
     gdef, state, _ = abstract_state(cfg, mesh)
     params, rest = state["params"], state["rest"]
-    cache = abstract_cache(nnx.merge(gdef, params, rest), mesh, gb, length)
+    cache = abstract_cache(nnx.merge(gdef, params, rest), mesh, gb, cfg.train.max_target_length)
+    return gb, gdef, params, rest, cache
+
+
+def compile_decode(cfg, mesh):
+    """Compile one ``model.decode_step`` (one token per row, cache of max_target_length slots)."""
+    gb, gdef, params, rest, cache = _serving_state(cfg, mesh, "decode batch")
     cache_sh = jax.tree.map(lambda x: x.sharding, cache)
     rows = batch_sharding(mesh, 1)
     scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -132,12 +138,8 @@ def compile_prefill(cfg, mesh):
     context-parallel KDA / MLA / conv kernels) and the cache it leaves, sharded as decode reads it."""
     from k3jax.decode import prefill
 
-    gb = cfg.global_batch_size(mesh.devices.size)
-    check_rows(mesh, gb, "prefill batch")
+    gb, gdef, params, rest, cache = _serving_state(cfg, mesh, "prefill batch")
     length = cfg.train.max_target_length
-    gdef, state, _ = abstract_state(cfg, mesh)
-    params, rest = state["params"], state["rest"]
-    cache = abstract_cache(nnx.merge(gdef, params, rest), mesh, gb, length)
     rows = batch_sharding(mesh, 1)
     tok = jax.ShapeDtypeStruct((gb, length), jnp.int32, sharding=token_sharding(mesh))
 
