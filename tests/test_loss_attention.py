@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from k3jax.kernels.attention import causal_attention, get_attention_fn, latent_decode_attention
-from k3jax.loss import chunked_cross_entropy
+from k3jax.loss import chunked_cross_entropy, lse_and_argmax
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
@@ -33,6 +33,23 @@ def test_chunked_cross_entropy_equals_dense(chunk):
     assert float(weight) == float(mask.sum())
     argmax = jnp.argmax(jnp.einsum("btd,dv->btv", h, w), -1) == t
     assert float(correct) == float(jnp.sum(argmax * mask))
+
+
+@pytest.mark.parametrize("v", [640, 50])   # two-level argmax (blocks of 320) / plain argmax (no divisor)
+def test_lse_and_argmax_equal_logsumexp_and_first_argmax(v):
+    z = jax.random.normal(jax.random.key(3), (4, 6, v))
+    z = z.at[0, 0].set(0.0)                              # all tied: the first index wins
+    z = z.at[0, 1, v - 1].set(9.0).at[0, 1, 1].set(9.0)  # tie across blocks
+    z = z.at[0, 2, 3].set(9.0).at[0, 2, 4].set(9.0)      # tie inside a block
+    z = z.at[1, 0, :v // 2].set(-jnp.inf)                # -inf logits
+    lse, top = jax.jit(lse_and_argmax)(z)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(z, -1), rtol=1e-6)
+    np.testing.assert_array_equal(top, jnp.argmax(z, -1))
+    assert int(top[0, 1]) == 1 and int(top[0, 2]) == 3 and int(top[0, 0]) == 0
+    c = jax.random.normal(jax.random.key(4), lse.shape)
+    g1 = jax.grad(lambda z: jnp.sum(lse_and_argmax(z)[0] * c))(z)
+    g2 = jax.grad(lambda z: jnp.sum(jax.nn.logsumexp(z, -1) * c))(z)
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-7)
 
 
 def _qkv(seed=1, t=12, h=3):

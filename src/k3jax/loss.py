@@ -48,6 +48,41 @@ def _position_chunks(h, targets, mask, c: int):
     return hf, tf, mf
 
 
+def _argmax_block(v: int) -> int | None:
+    """Columns per block of ``lse_and_argmax``'s two-level argmax over a vocabulary of v: the
+    largest divisor of v in [64, 512] (K3's 163840 and 32000 give 512 and 500), or None (plain
+    argmax) when v has none."""
+    return next((b for b in range(512, 63, -1) if v % b == 0), None)
+
+
+def lse_and_argmax(z):
+    """logsumexp(z) (differentiable) and argmax(z) (first index of the maximum, as jnp.argmax)
+    over the last axis of logits z [..., V] f32.
+
+    Why not ``jax.nn.logsumexp`` beside ``jnp.argmax``: XLA merges the two into one variadic
+    (value, index) reduction over V, which XLA:CPU runs unvectorised; on a [2, 256, 32000] chunk
+    that took 204 ms against 35 ms for this form (deepseek3-tiny's loss, docs/benchmarks.md).
+    Here the only pass over V is a plain max per block of columns; the argmax is then the first
+    block reaching the row maximum (an argmax over V/b block maxima) and the first column of it
+    that does (an argmax over b), which is exactly jnp.argmax's first index of the maximum.
+    """
+    v = z.shape[-1]
+    b = _argmax_block(v)
+    if b is None:
+        m, idx = jnp.max(z, axis=-1), jnp.argmax(z, axis=-1)
+    else:
+        zb = z.reshape(z.shape[:-1] + (v // b, b))
+        block_max = jnp.max(zb, axis=-1)                                          # [..., V/b]
+        m = jnp.max(block_max, axis=-1)
+        blk = jnp.argmax(block_max, axis=-1)
+        inner = jnp.take_along_axis(zb, blk[..., None, None], axis=-2)[..., 0, :]  # [..., b]
+        idx = blk * b + jnp.argmax(inner, axis=-1)
+    # The shift cancels in the gradient (as in jax.nn.logsumexp); a row of -inf stays -inf.
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    lse = m + jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
+    return lse, jax.lax.stop_gradient(idx)
+
+
 def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weight: float = 0.0):
     """h [B,T,D], w [D,V], targets [B,T] int, mask [B,T] f32 ->
     (sum of masked token losses incl. z-loss, sum of mask, number of correct argmax predictions).
@@ -64,10 +99,10 @@ def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weig
     @jax.checkpoint
     def one(hc, tc, mc):
         z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(z, axis=-1)
+        lse, top = lse_and_argmax(z)
         tgt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
         loss = lse - tgt + z_loss_weight * lse ** 2
-        correct = (jnp.argmax(z, axis=-1) == tc).astype(jnp.float32)
+        correct = (top == tc).astype(jnp.float32)
         return jnp.sum(loss * mc), jnp.sum(correct * mc)
 
     def body(acc, xs):
@@ -91,8 +126,9 @@ def chunked_row_losses(h, w, targets, mask, *, chunk: int = 1024):
     def body(acc, xs):
         hc, tc, mc = xs
         z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
-        loss = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
-        correct = (jnp.argmax(z, axis=-1) == tc).astype(jnp.float32)
+        lse, top = lse_and_argmax(z)
+        loss = lse - jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
+        correct = (top == tc).astype(jnp.float32)
         keep = mc > 0   # where, not a product: a padding position's loss may be inf and 0 * inf is nan
         return (acc[0] + jnp.sum(jnp.where(keep, loss, 0.0), -1), acc[1] + jnp.sum(jnp.where(keep, correct, 0.0), -1)), None
 
