@@ -8,8 +8,9 @@ from k3jax.kernels.attention import causal_attention, get_attention_fn, latent_d
 from k3jax.loss import chunked_cross_entropy, lse_and_argmax
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_chunked_cross_entropy_equals_dense(chunk):
+def test_chunked_cross_entropy_equals_dense(chunk, grad_in_forward):
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     h = jax.random.normal(k1, (2, 13, 16))
     w = jax.random.normal(k2, (16, 50))
@@ -23,13 +24,14 @@ def test_chunked_cross_entropy_equals_dense(chunk):
         return jnp.sum((nll + zl) * mask)
 
     def chunked(h, w):
-        return chunked_cross_entropy(h, w, t, mask, chunk=chunk, z_loss_weight=1e-3)[0]
+        return chunked_cross_entropy(h, w, t, mask, chunk=chunk, z_loss_weight=1e-3,
+                                     grad_in_forward=grad_in_forward)[0]
 
     np.testing.assert_allclose(chunked(h, w), dense(h, w), rtol=1e-5)
     g1, g2 = jax.grad(chunked, (0, 1))(h, w), jax.grad(dense, (0, 1))(h, w)
     for a, b in zip(g1, g2):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    _, weight, correct = chunked_cross_entropy(h, w, t, mask, chunk=chunk)
+    _, weight, correct = chunked_cross_entropy(h, w, t, mask, chunk=chunk, grad_in_forward=grad_in_forward)
     assert float(weight) == float(mask.sum())
     argmax = jnp.argmax(jnp.einsum("btd,dv->btv", h, w), -1) == t
     assert float(correct) == float(jnp.sum(argmax * mask))

@@ -114,7 +114,7 @@ def test_vocab_parallel_errors():
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="not .* axes of the mesh"):
         vocab_parallel_cross_entropy(h, w, t, mask, vocab_axes=("model",))
     base = C.REPO_CONFIGS / "base.yml"
-    with pytest.raises(C.ConfigError, match="loss_impl='nope': must be one of chunked, tokamax, vocab_parallel"):
+    with pytest.raises(C.ConfigError, match="loss_impl=.nope.: must be one of auto, chunked, chunked_fused, tokamax, vocab_parallel"):
         C.load(base, ["loss_impl=nope"])
     with pytest.raises(C.ConfigError, match="loss_chunk_size=0"):
         C.load(base, ["loss_chunk_size=0"])

@@ -1,10 +1,13 @@
 """Memory-light cross-entropy over a large vocabulary (K3: 163840).
 
-Three implementations of one contract, chosen by ``loss_impl``:
+Implementations of one contract, chosen by ``loss_impl`` (``auto``: ``resolve_loss_impl``):
 
   chunked   ours: logits are produced ``chunk`` positions of every row at a time inside a
             rematerialised scan, so neither the forward nor the backward ever holds [B, T, V]
             logits: peak extra memory is [B, chunk, V] f32 (per device: its local rows).
+  chunked_fused  the same chunks, with dh and the head's gradient computed in the forward and
+            kept for the backward (``grad_in_forward``): three head matmuls per chunk instead
+            of four, for heads small next to the device's memory (CPU's default).
   tokamax   ``tokamax.linear_softmax_cross_entropy_loss`` (lm head matmul + softmax CE fused, its
             own VJP): the Mosaic TPU kernel ("mosaic_tpu") on TPU devices, its blocked XLA loop
             ("chunked_xla") elsewhere, picked from the devices' platform, never by trying one and
@@ -20,15 +23,17 @@ Three implementations of one contract, chosen by ``loss_impl``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-LOSS_IMPLS = ("chunked", "tokamax", "vocab_parallel")
+LOSS_IMPLS = ("auto", "chunked", "chunked_fused", "tokamax", "vocab_parallel")
 # tokamax 0.0.17's chunked_xla pads the vocabulary to a multiple of its V block (2048) with zero
 # weight columns and lets their logits (0, not -inf) into the logsumexp: with a vocabulary off
 # that multiple its loss and gradients are wrong (measured: 7.84 vs 6.55 at V=384). Its Mosaic
@@ -46,6 +51,15 @@ def _position_chunks(h, targets, mask, c: int):
     tf = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
     mf = jnp.pad(mask.astype(jnp.float32), ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
     return hf, tf, mf
+
+
+def resolve_loss_impl(impl: str, platform: str) -> str:
+    """``loss_impl=auto`` for devices of ``platform``: chunked_fused on CPU (one host's memory, where
+    the kept head gradient costs nothing next to a fourth head matmul), chunked on TPU and GPU
+    (the pod's gathered K3 head gradient, 4.4 GiB, must not live through the backward)."""
+    if impl != "auto":
+        return impl
+    return "chunked_fused" if platform == "cpu" else "chunked"
 
 
 def _argmax_block(v: int) -> int | None:
@@ -83,26 +97,35 @@ def lse_and_argmax(z):
     return lse, jax.lax.stop_gradient(idx)
 
 
-def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weight: float = 0.0):
+def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weight: float = 0.0,
+                          grad_in_forward: bool = False):
     """h [B,T,D], w [D,V], targets [B,T] int, mask [B,T] f32 ->
     (sum of masked token losses incl. z-loss, sum of mask, number of correct argmax predictions).
 
     Loss per token: logsumexp(z) - z[target] (+ z_loss_weight * logsumexp(z)^2), z in f32.
+
+    grad_in_forward: when differentiated, compute dh and dw chunk by chunk in the forward pass
+    (``_fused_loss``: three lm-head matmuls per chunk instead of four, one softmax instead of
+    two) and keep them until the backward scales them by the loss's cotangent. That holds dh
+    (h's size) and the head's gradient (f32, w's size) through the whole model backward, so it
+    suits a small head per device (CPU, small models), not a pod's gathered K3 head (4.4 GiB).
     """
     t = h.shape[1]
     # Chunks run along the sequence inside each row, never across rows: the batch axis is the
     # one sharded over data/fsdp/expert, and a scan over a flattened B*T axis would slice the
     # sharded dimension, which GSPMD can only do by gathering every row of the global batch onto
     # every device (the K3 compile held bf16[T, global B, D] = 56 GB per device that way).
-    hf, tf, mf = _position_chunks(h, targets, mask, min(chunk, t))    # [nc, B, c, D], [nc, B, c] x 2
+    c = min(chunk, t)
+    if grad_in_forward:
+        # No larger than the head: B x c <= D keeps a chunk's logits [B, c, V] within the head's
+        # [D, V] (deepseek3-tiny, D = 64, B = 2, on CPU: 72 ms at 32 positions vs 100 at 256).
+        c = min(c, max(16, h.shape[2] // h.shape[0]))
+        return _fused_loss(h, w, targets, mask, c, z_loss_weight)
+    hf, tf, mf = _position_chunks(h, targets, mask, c)    # [nc, B, c, D], [nc, B, c] x 2
 
     @jax.checkpoint
     def one(hc, tc, mc):
-        z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
-        lse, top = lse_and_argmax(z)
-        tgt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
-        loss = lse - tgt + z_loss_weight * lse ** 2
-        correct = (top == tc).astype(jnp.float32)
+        loss, correct = _chunk_loss(hc, w, tc, z_loss_weight)[:2]
         return jnp.sum(loss * mc), jnp.sum(correct * mc)
 
     def body(acc, xs):
@@ -113,6 +136,65 @@ def chunked_cross_entropy(h, w, targets, mask, *, chunk: int = 1024, z_loss_weig
         body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
         (hf, tf, mf))
     return loss, jnp.sum(mf), correct
+
+
+def _chunk_loss(hc, w, tc, z_loss_weight):
+    """Token losses [B, c], correct predictions [B, c] f32, logits z [B, c, V] f32 and their
+    logsumexp [B, c] of one chunk hc [B, c, D]."""
+    z = jnp.einsum("bnd,dv->bnv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
+    lse, top = lse_and_argmax(z)
+    tgt = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
+    return lse - tgt + z_loss_weight * lse ** 2, (top == tc).astype(jnp.float32), z, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_loss(h, w, targets, mask, chunk, z_loss_weight):
+    return _fused_forward(h, w, targets, mask, chunk, z_loss_weight, False)[0]
+
+
+def _fused_forward(h, w, targets, mask, chunk, z_loss_weight, with_grad: bool):
+    """The chunked loss; with_grad: also dh [B,T,D] (h.dtype) and dw [D,V] (f32) of the loss sum.
+
+    d(loss)/dz = softmax(z) (1 + 2 z_loss_weight lse) - onehot(target), times the mask."""
+    b, t, d = h.shape
+    hf, tf, mf = _position_chunks(h, targets, mask, chunk)
+    zero = jnp.zeros((), jnp.float32)
+
+    def body(acc, xs):
+        hc, tc, mc = xs
+        loss, correct, z, lse = _chunk_loss(hc, w, tc, z_loss_weight)
+        acc = (acc[0] + jnp.sum(loss * mc), acc[1] + jnp.sum(correct * mc), acc[2])
+        if not with_grad:
+            return acc, None
+        hot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tc[..., None]
+        dz = (jnp.exp(z - lse[..., None]) * ((1 + 2 * z_loss_weight * lse) * mc)[..., None]
+              - jnp.where(hot, mc[..., None], 0.0)).astype(hc.dtype)
+        dh = jnp.einsum("bnv,dv->bnd", dz, w.astype(hc.dtype), preferred_element_type=jnp.float32)
+        dw = acc[2] + jnp.einsum("bnd,bnv->dv", hc, dz, preferred_element_type=jnp.float32)
+        return acc[:2] + (dw,), dh.astype(h.dtype)
+
+    dw0 = jnp.zeros(w.shape, jnp.float32) if with_grad else zero
+    (loss, correct, dw), dh = jax.lax.scan(body, (zero, zero, dw0), (hf, tf, mf))
+    out = (loss, jnp.sum(mf), correct)
+    if not with_grad:
+        return out, None
+    dh = dh.swapaxes(0, 1).reshape(b, -1, d)[:, :t]          # [nc, B, c, D] -> [B, T, D]
+    return out, (dh, dw)
+
+
+def _fused_fwd(h, w, targets, mask, chunk, z_loss_weight):
+    out, (dh, dw) = _fused_forward(h, w, targets, mask, chunk, z_loss_weight, True)
+    return out, (dh, dw.astype(w.dtype), targets, mask)
+
+
+def _fused_bwd(chunk, z_loss_weight, res, cts):
+    dh, dw, targets, mask = res
+    g = cts[0]                          # only the loss sum depends on h and w
+    return ((g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype),
+            np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(mask))
+
+
+_fused_loss.defvjp(_fused_fwd, _fused_bwd)
 
 
 def chunked_row_losses(h, w, targets, mask, *, chunk: int = 1024):

@@ -144,10 +144,14 @@ class KernelConfig:
                                              "way); false keeps each shard's own queries (the last shard then does "
                                              "about twice the balanced work)")
     loss_chunk_size: int = _f(1024, "sequence positions per chunk of the memory-light cross-entropy (all local rows at once)")
-    loss_impl: str = _f("chunked", "training cross-entropy: chunked (ours, loss_chunk_size) | tokamax (fused lm head + CE: "
+    loss_impl: str = _f("auto", "training cross-entropy: auto (chunked_fused on CPU, chunked on TPU/GPU) | chunked "
+                        "(ours, loss_chunk_size positions at a time, recomputed in the backward) | chunked_fused (the "
+                        "gradient computed in the forward: 3 lm-head matmuls per chunk instead of 4; keeps the head's "
+                        "f32 gradient through the backward, so for small heads per device, not a pod's K3 head; "
+                        "chunks capped at hidden_size / rows positions) | tokamax (fused lm head + CE: "
                         "Mosaic kernel on TPU, its chunked XLA loop elsewhere; no z-loss, no train accuracy) | "
                         "vocab_parallel (ours under shard_map: the lm head's vocabulary split over mesh axes, "
-                        "never gathered)", ("chunked", "tokamax", "vocab_parallel"))
+                        "never gathered)", ("auto", "chunked", "chunked_fused", "tokamax", "vocab_parallel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +168,9 @@ class TrainConfig:
     opt_type: str = _f("muon", "muon | adamw", ("muon", "adamw"))
     muon_consistent_rms: Optional[float] = _f(0.2, "Muon update RMS matching AdamW (Moonlight); null = off")
     muon_weight_decay: float = _f(0.1, "decoupled weight decay of Muon leaves")
+    muon_ns_dtype: str = _f("bfloat16", "dtype of Muon's Newton-Schulz iterations (the Frobenius scaling and the update "
+                            "stay float32): float32 | bfloat16 (as Keller Jordan's and Moonlight's Muon)",
+                            ("float32", "bfloat16"))
     adam_weight_decay: float = _f(0.1, "decoupled weight decay of AdamW leaves")
     adam_b1: float = _f(0.9, "AdamW beta1")
     adam_b2: float = _f(0.95, "AdamW beta2")

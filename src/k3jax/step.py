@@ -16,8 +16,8 @@ from flax import nnx
 from k3jax.config import ConfigError
 from k3jax.kernels.moe import balance
 from k3jax.layers.common import REST
-from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, tokamax_context, tokamax_cross_entropy,
-                        tokamax_implementation, vocab_parallel_cross_entropy)
+from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_impl, tokamax_context,
+                        tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim import qk_clip
 from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES
 
@@ -99,7 +99,8 @@ def make_loss(cfg):
                                                 batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS)
         return fn
     return lambda h, w, targets, mask: chunked_cross_entropy(
-        h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight)
+        h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight,
+        grad_in_forward=resolve_loss_impl(cfg.kernel.loss_impl, _platform()) == "chunked_fused")
 
 
 def make_train_step(cfg, gdef, tx):

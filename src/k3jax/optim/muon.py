@@ -262,7 +262,8 @@ def make_optimizer(train_cfg, state) -> optax.GradientTransformationExtraArgs:
         # Only Muon leaves reach this branch (the rest are MaskedNodes of optax.partition).
         transforms["muon"] = optax.chain(
             scale_by_muon(_by_path(matrix_specs(state), "Muon matrix specs"), beta=MUON_BETA,
-                          mu_dtype=mu_dtype, nesterov=True, consistent_rms=t.muon_consistent_rms),
+                          mu_dtype=mu_dtype, nesterov=True, consistent_rms=t.muon_consistent_rms,
+                          ns_dtype=jnp.dtype(t.muon_ns_dtype)),
             optax.add_decayed_weights(t.muon_weight_decay),
             optax.scale_by_learning_rate(lr))
     used = set(labels.values())

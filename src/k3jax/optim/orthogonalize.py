@@ -58,28 +58,32 @@ class MuonState(NamedTuple):
     mu: optax.Updates     # momentum, param-shaped, mu_dtype
 
 
-def newton_schulz(x: jax.Array, steps: int = NS_STEPS, coeffs=NS_COEFFS, eps: float = 1e-8) -> jax.Array:
+def newton_schulz(x: jax.Array, steps: int = NS_STEPS, coeffs=NS_COEFFS, eps: float = 1e-8,
+                  dtype=None) -> jax.Array:
     """Approximate orthogonalisation U S' V^T of each matrix in x [..., r, c] with r <= c.
 
     Frobenius pre-scaling puts every singular value in (0, 1]; each quintic step
     X <- a X + (b A + c A A) X with A = X X^T pushes them towards ~1 (Keller Jordan's coefficients
-    maximise the slope at 0 and leave them in roughly (0.7, 1.2)). Computes in x.dtype.
+    maximise the slope at 0 and leave them in roughly (0.7, 1.2)). The scaling runs in x.dtype,
+    the iterations in ``dtype`` (None: x.dtype); the result has x's dtype.
     """
-    a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
+    out_dtype = x.dtype
     x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+    x = x.astype(dtype or out_dtype)
+    a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
     for _ in range(steps):
         gram = jnp.einsum("...ik,...jk->...ij", x, x)                     # [..., r, r]
         poly = b * gram + c * jnp.einsum("...ij,...jk->...ik", gram, gram)
         x = a * x + jnp.einsum("...ij,...jk->...ik", poly, x)
-    return x
+    return x.astype(out_dtype)
 
 
 def orthogonalize(x: jax.Array, spec: MatrixSpec, steps: int = NS_STEPS, coeffs=NS_COEFFS,
-                  eps: float = 1e-8) -> jax.Array:
+                  eps: float = 1e-8, dtype=None) -> jax.Array:
     """Newton-Schulz of every (fan_in, fan_out) matrix of ``x``; same shape and axis order as x.
 
     The wider side is kept last (NS on X or X^T gives transposed results; the Gram matrix of the
-    short side is the smaller one), as optax does.
+    short side is the smaller one), as optax does. ``dtype``: that of the iterations (None: x's).
     """
     spec.check(x.ndim)
     batch = [i for i in range(x.ndim) if i not in (spec.fan_in, spec.fan_out)]
@@ -89,7 +93,7 @@ def orthogonalize(x: jax.Array, spec: MatrixSpec, steps: int = NS_STEPS, coeffs=
     flip = x.shape[spec.fan_in] > x.shape[spec.fan_out]
     perm = batch + ([spec.fan_out, spec.fan_in] if flip else [spec.fan_in, spec.fan_out])
     y = jnp.transpose(x, perm)
-    ns = lambda z: newton_schulz(z, steps, coeffs, eps)  # noqa: E731
+    ns = lambda z: newton_schulz(z, steps, coeffs, eps, dtype)  # noqa: E731
     y = jax.lax.map(ns, y) if spec.loop_axis is not None else ns(y)
     return jnp.transpose(y, [perm.index(i) for i in range(x.ndim)])
 
@@ -105,7 +109,7 @@ def shape_scale(shape, spec: MatrixSpec, consistent_rms: float | None) -> float:
 
 def scale_by_muon(specs: Callable, *, beta: float, mu_dtype=None, nesterov: bool = True,
                   consistent_rms: float | None = None, steps: int = NS_STEPS, coeffs=NS_COEFFS,
-                  eps: float = 1e-8) -> optax.GradientTransformation:
+                  eps: float = 1e-8, ns_dtype=None) -> optax.GradientTransformation:
     """Momentum + Newton-Schulz + shape scaling (no learning rate, no weight decay).
 
     ``specs(tree)``: a tree of the same structure as ``tree`` with a MatrixSpec at every array leaf
@@ -128,7 +132,7 @@ def scale_by_muon(specs: Callable, *, beta: float, mu_dtype=None, nesterov: bool
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
         out = jax.tree.map(
-            lambda x, s: shape_scale(x.shape, s, consistent_rms) * orthogonalize(x, s, steps, coeffs, eps),
+            lambda x, s: shape_scale(x.shape, s, consistent_rms) * orthogonalize(x, s, steps, coeffs, eps, ns_dtype),
             mu_hat, specs(mu_hat))
         return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype))
 
