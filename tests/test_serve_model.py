@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import randomize
 from k3jax import config as C
 from k3jax import model as M
-from k3jax.sampling import logprobs, sample_rows
+from k3jax.sampling import argmax_rows, logprobs, sample_rows
 
 CHUNK = 8
 
@@ -73,6 +73,24 @@ def test_chunked_prefill_and_per_row_decode_equal_full_forward():
     for (b, t), lg in sorted(got.items()):
         np.testing.assert_allclose(lg, full[b, t], rtol=1e-4, atol=1e-4, err_msg=f"row {b} position {t}")
     assert len(got) == 3 + 2 + 2 * (n - 20)
+
+
+def test_argmax_rows_is_argmax():
+    """Random rows, ties (the first index wins), -inf, a whole row of one value, NaN anywhere
+    (argmax gives the first NaN) and V = 1: the same index as jnp.argmax, jitted."""
+    rng = np.random.default_rng(1)
+    x = np.round(rng.standard_normal((9, 37)), 1).astype(np.float32)        # many exact ties
+    x[1, 5] = x[1, 30] = 9.0
+    x[2] = -np.inf
+    x[3] = 2.5
+    x[4, [0, 7]] = np.nan
+    x[5, 36] = np.nan
+    x[6, [3, 4]] = np.inf
+    x[7, :] = np.nan
+    for a in (x, x[:, :1], x.astype(jnp.bfloat16)):
+        got = np.asarray(jax.jit(argmax_rows)(jnp.asarray(a)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(a), -1)))
 
 
 def test_sample_rows():
