@@ -213,6 +213,11 @@ def test_few_token_path_rule():
     assert few_token_path(2, 4, 32, 64, impl="blocked") == "loop"      # moe_impl=blocked: N*k <= 4*E
     assert few_token_path(32, 4, 32, 64, impl="blocked") == "loop"
     assert few_token_path(33, 4, 32, 64, impl="blocked") is None
+    # moe_impl=blocked with E <= 2k (deepseek3-tiny): one-hot at any N, training batches too; 0 = off.
+    assert few_token_path(512, 8, 16, 64, impl="blocked") == "onehot"
+    assert few_token_path(512, 8, 17, 64, impl="blocked") is None
+    assert few_token_path(512, 8, 16, 0, impl="blocked") is None
+    assert few_token_path(512, 8, 16, 64) is None                      # ragged_dot: the rule is blocked's
 
 
 @pytest.mark.parametrize("block", [1, 4, 16])

@@ -133,7 +133,7 @@ class KernelConfig:
                        "tokamax_ragged_dot (tokamax.ragged_dot: Mosaic kernel on TPU, XLA elsewhere; no mxfp4 experts)",
                        ("ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
-    moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, or with moe_impl=blocked loops over the used expert blocks (N*top_k <= 4*experts), instead of sort + ragged matmul; 0 = off")
+    moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, or with moe_impl=blocked loops over the used expert blocks (N*top_k <= 4*experts), instead of sort + ragged matmul; with moe_impl=blocked and experts <= 2*top_k one-hot at any token count; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
     moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
