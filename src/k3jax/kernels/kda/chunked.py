@@ -130,11 +130,14 @@ def walk_forward(f: IntraOut, h0: jax.Array):
     [N, B, H, K, V] (all in h0.dtype).
     """
     def step(S, xs):
-        w, u, kg, dec = xs
+        w, u, kgt, dec = xs
         vn = u - mm("...ck,...kv->...cv", w, S)
-        return dec[..., None] * S + mm("...ck,...cv->...kv", kg, vn), (vn, S)
+        return dec[..., None] * S + mm("...kc,...cv->...kv", kgt, vn), (vn, S)
 
-    S, (vn, states) = lax.scan(step, match_vma(h0, f.u), (f.w, f.u, f.kg, f.dec))
+    # Kg^T for all N chunks in one transpose: contracting Kg's row axis inside the step made
+    # XLA:CPU fall back from its fast matmul path to a slower transposed-operand dot.
+    kgt = jnp.swapaxes(f.kg, -1, -2)
+    S, (vn, states) = lax.scan(step, match_vma(h0, f.u), (f.w, f.u, kgt, f.dec))
     o = mm("...ck,...kv->...cv", f.qg, states) + mm("...cj,...jv->...cv", f.aqk, vn)
     return o, S, states
 
