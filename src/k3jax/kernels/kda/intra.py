@@ -279,6 +279,16 @@ def rel_backward_mid(dR: jax.Array, Xs: jax.Array, Y: jax.Array, G, bs: int):
     return dX.reshape(Xs.shape), jnp.sum(dys * ey, axis=-3)
 
 
+SMALL_BLOCK = 8  # the inverse's blocks up to this size multiply elementwise (_small_matmul)
+
+
+def _small_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b for tiny square blocks [..., s, s] as one elementwise product and sum (f32 products,
+    f32 sums, like a HIGHEST dot). XLA:CPU runs a batched dot as one small matmul call per
+    block, ~2 us each, so the ladder's levels of 1..8-row blocks cost more than all its FLOPs."""
+    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
+
+
 def unit_lower_inverse(L: jax.Array) -> jax.Array:
     """(I + L)^-1 for strictly lower triangular L [..., C, C], C a power of two.
 
@@ -298,7 +308,10 @@ def unit_lower_inverse(L: jax.Array) -> jax.Array:
         Ainv, Dinv = X[..., 0, :, :], X[..., 1, :, :]
         Lb = L.reshape(L.shape[:-2] + (nb, 2 * s, nb, 2 * s))
         B = jnp.einsum("...IiIj->...Iij", Lb)[..., s:, :s]  # lower-left of each 2s-block
-        lower = -mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
+        if s <= SMALL_BLOCK:
+            lower = -_small_matmul(_small_matmul(Dinv, B), Ainv)
+        else:
+            lower = -mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
         top = jnp.concatenate([Ainv, jnp.zeros_like(Ainv)], axis=-1)
         X = jnp.concatenate([top, jnp.concatenate([lower, Dinv], axis=-1)], axis=-2)
         s *= 2
