@@ -29,8 +29,8 @@ from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
 
 
 # ---------------------------------------------------------------------------------------------
-# Layouts: [B, T, H, D] <-> head-major chunks [B, H, NT, C, D] (Pallas) or time-major chunks
-# [NT, B, H, C, D] (the scans here), padding T up to NT * C.
+# Layouts: [B, T, H, D] <-> head-major chunks [B, H, NT, C, D] (Pallas) or groups of G chunks
+# [NG, B, G * C, H, D] (the scans here; [G, B, H, C, D] inside a step), padding T up to NT * C.
 # ---------------------------------------------------------------------------------------------
 
 def check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int | None = None):
@@ -79,19 +79,40 @@ def chunk_resets(segment_ids, B: int, T: int, chunk: int, n_chunks: int | None =
     return reset.reshape(B, 1, nt, chunk)
 
 
-def to_time_chunks(x: jax.Array, chunk: int, n_chunks: int) -> jax.Array:
-    """[B, T, H, *D] -> time-major [NT, B, H, C, *D], zero-padding T to NT * C."""
-    B, T, H = x.shape[:3]
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (0, n_chunks * chunk - T)
-    x = jnp.pad(x, pad).reshape((B, n_chunks, chunk, H) + x.shape[3:])
+def to_groups(x: jax.Array, chunk: int, n_chunks: int, group: int) -> jax.Array:
+    """[B, T, *R] -> [NG, B, G * C, *R] (NG = n_chunks / group), zero-padding T to NT * C.
+
+    Tokens keep their [..., H, D] order: only the group axis moves in front of the batch, a
+    free bitcast when B = 1 and a copy of contiguous G * C-token runs otherwise. The scans
+    bring each step's slice (cache-sized) into the [G, B, H, C, D] order of the algebra
+    (_local), instead of transposing whole inputs: on CPU a fresh buffer of T tokens costs as
+    much as the copy itself (page faults), and four inputs plus the output were ~20% of the
+    forward at T = 8192.
+    """
+    B, T = x.shape[:2]
+    if n_chunks * chunk != T:
+        x = jnp.pad(x, [(0, 0), (0, n_chunks * chunk - T)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((B, n_chunks // group, group * chunk) + x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def from_groups(x: jax.Array, length: int) -> jax.Array:
+    """[NG, B, G * C, *R] -> [B, T, *R] (drops the padding); the inverse of to_groups."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :length]
+
+
+def _local(x: jax.Array, chunk: int) -> jax.Array:
+    """One scan step's slice [B, G * C, H, D] -> [G, B, H, C, D] (chunk-major, heads outside)."""
+    B, GC, H = x.shape[:3]
+    x = x.reshape((B, GC // chunk, chunk, H) + x.shape[3:])
     return jnp.moveaxis(x, (1, 3), (0, 2))
 
 
-def from_time_chunks(x: jax.Array, length: int) -> jax.Array:
-    """[NT, B, H, C, D] -> [B, T, H, D] (drops the padding)."""
-    nt, B, H, C, D = x.shape
-    return jnp.moveaxis(x, (0, 2), (1, 3)).reshape(B, nt * C, H, D)[:, :length]
+def _unlocal(x: jax.Array) -> jax.Array:
+    """[G, B, H, C, D] -> [B, G * C, H, D]; the inverse of _local."""
+    G, B, H, C = x.shape[:4]
+    return jnp.moveaxis(x, (0, 2), (1, 3)).reshape((B, G * C, H) + x.shape[4:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,11 +130,14 @@ def walk_forward(f: IntraOut, h0: jax.Array):
     [N, B, H, K, V] (all in h0.dtype).
     """
     def step(S, xs):
-        w, u, kg, dec = xs
+        w, u, kgt, dec = xs
         vn = u - mm("...ck,...kv->...cv", w, S)
-        return dec[..., None] * S + mm("...ck,...cv->...kv", kg, vn), (vn, S)
+        return dec[..., None] * S + mm("...kc,...cv->...kv", kgt, vn), (vn, S)
 
-    S, (vn, states) = lax.scan(step, match_vma(h0, f.u), (f.w, f.u, f.kg, f.dec))
+    # Kg^T for all N chunks in one transpose: contracting Kg's row axis inside the step made
+    # XLA:CPU fall back from its fast matmul path to a slower transposed-operand dot.
+    kgt = jnp.swapaxes(f.kg, -1, -2)
+    S, (vn, states) = lax.scan(step, match_vma(h0, f.u), (f.w, f.u, kgt, f.dec))
     o = mm("...ck,...kv->...cv", f.qg, states) + mm("...cj,...jv->...cv", f.aqk, vn)
     return o, S, states
 
@@ -142,26 +166,36 @@ def walk_backward(f: IntraOut, states: jax.Array, do: jax.Array, dS: jax.Array):
 
 
 # ---------------------------------------------------------------------------------------------
-# custom_vjp core on grouped time-major tensors [NG, G, B, H, C, D] (NG groups of G chunks).
+# custom_vjp core on grouped tensors [NG, B, G * C, ...] (to_groups: NG groups of G chunks).
 # ---------------------------------------------------------------------------------------------
 
-def _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, keep_states: bool):
+def _local_inputs(x, chunk: int):
+    """A step's (q, k, v, g, beta, reset) slices in the layout of intra_forward."""
+    q, k, v, g, beta, reset = x
+    B, GC = reset.shape
+    reset = jnp.moveaxis(reset.reshape(B, GC // chunk, 1, chunk), 1, 0)   # [G, B, 1, C]
+    return (*(_local(t, chunk) for t in (q, k, v, g)), _local(beta[..., None], chunk)[..., 0],
+            reset)
+
+
+def _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, chunk, keep_states: bool):
     def body(S, x):
-        f, _ = intra_forward(*x, scale=scale, dtype=dtype, block=block)
+        f, _ = intra_forward(*_local_inputs(x, chunk), scale=scale, dtype=dtype, block=block)
         o, S, states = walk_forward(f, S)
-        return S, (o, states) if keep_states else o
+        return S, (_unlocal(o), states) if keep_states else _unlocal(o)
 
     return lax.scan(body, h0, (q, k, v, g, beta, reset))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _core(q, k, v, g, beta, h0, reset, scale, dtype, block):
-    S, o = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, keep_states=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _core(q, k, v, g, beta, h0, reset, scale, dtype, block, chunk):
+    S, o = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, chunk,
+                         keep_states=False)
     return o, S
 
 
-def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype, block):
-    S, (o, states) = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block,
+def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype, block, chunk):
+    S, (o, states) = _scan_forward(q, k, v, g, beta, h0, reset, scale, dtype, block, chunk,
                                    keep_states=True)
     # The chunk-start states are the only non-input residual: T/C x [K, V] per head, O(T).
     # Named so that a remat policy can choose to drop them (then the forward reruns).
@@ -169,15 +203,18 @@ def _core_fwd(q, k, v, g, beta, h0, reset, scale, dtype, block):
     return (o, S), (q, k, v, g, beta, h0, reset, states)
 
 
-def _core_bwd(scale, dtype, block, res, cts):
+def _core_bwd(scale, dtype, block, chunk, res, cts):
     q, k, v, g, beta, h0, reset, states = res
     do, dS = cts
 
     def reverse(dS, x):
         *x, states_g, do_g = x
+        x = _local_inputs(x, chunk)
         f, saved = intra_forward(*x, scale=scale, dtype=dtype, block=block)
-        d, dS_prev = walk_backward(f, states_g, do_g.astype(dtype), dS)
-        return dS_prev, intra_backward(d, f, saved, x[1], x[2], x[4], scale=scale, block=block)
+        d, dS_prev = walk_backward(f, states_g, _local(do_g, chunk).astype(dtype), dS)
+        dq, dk, dv, dg, dbeta = intra_backward(d, f, saved, x[1], x[2], x[4], scale=scale,
+                                               block=block)
+        return dS_prev, (*(_unlocal(t) for t in (dq, dk, dv, dg)), _unlocal(dbeta[..., None])[..., 0])
 
     dh0, grads = lax.scan(reverse, match_vma(dS.astype(dtype), do),
                           (q, k, v, g, beta, reset, states, do), reverse=True)
@@ -228,12 +265,11 @@ def kda_chunked(q, k, v, g, beta, *, scale: float | None = None, initial_state=N
     nt = -(-T // C)
     G = nt if chunks_per_step is None else max(1, min(chunks_per_step, nt))
     nt = -(-nt // G) * G                                   # whole groups; padding passes S
-    group = lambda x: x.reshape((nt // G, G) + x.shape[1:])  # noqa: E731
-    chunks = lambda x: group(to_time_chunks(x, C, nt))      # noqa: E731
-    reset = group(jnp.moveaxis(chunk_resets(segment_ids, B, T, C, nt), 2, 0))   # [NG,G,B,1,C]
-    o, S = _core(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0],
-                 h0, reset, scale, jnp.dtype(dtype), midpoint_block(lower_bound, C))
-    return from_time_chunks(o.reshape((nt,) + o.shape[2:]), T).astype(v.dtype), S
+    groups = lambda x: to_groups(x, C, nt, G)              # noqa: E731
+    o, S = _core(groups(q), groups(k), groups(v), groups(g), groups(beta), h0,
+                 groups(reset_flags(segment_ids, B, T)), scale, jnp.dtype(dtype),
+                 midpoint_block(lower_bound, C), C)
+    return from_groups(o, T).astype(v.dtype), S
 
 
 def chunked_flops_per_token(H: int, K: int, V: int, chunk: int) -> float:

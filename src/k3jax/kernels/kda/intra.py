@@ -58,15 +58,25 @@ def compensated_cumsum(g: jax.Array):
     hi is the plain cumsum. Each step's rounding d_t = (hi_{t-1} + g_t) - hi_t is recovered
     exactly with Knuth's TwoSum (s + e = hi_{t-1} + g_t; s - hi_t is exact by Sterbenz, as both
     approximate the same prefix sum to a few ulps), so sum_{u<=t} g_u = hi_t + cumsum(d)_t.
-    Two cumsums and a few elementwise ops, whatever order XLA sums hi in.
+    Two cumsums and a few elementwise ops, whatever order the cumsums add in: both are
+    _scan_cumsum (on CPU the two 0/1-triangle matmuls of cumsum_rows, C multiply-adds per
+    element and a transpose each way, were ~10% of the forward).
     """
-    hi = cumsum_rows(g)
+    hi = _scan_cumsum(g)
     prev = jnp.concatenate([jnp.zeros_like(g[..., :1, :]), hi[..., :-1, :]], axis=-2)
     s = prev + g
     bb = s - prev
     e = (prev - (s - bb)) + (g - bb)                       # TwoSum: prev + g = s + e exactly
     d = (s - hi) + e
-    return hi, cumsum_rows(d)
+    return hi, _scan_cumsum(d)
+
+
+def _scan_cumsum(x: jax.Array) -> jax.Array:
+    """Inclusive cumsum over the rows of x [..., C, D] by lax.associative_scan: 2 log2(C)
+    levels of elementwise adds on strided slices, each row's sum a tree of its prefix (as
+    exact as a serial f32 sum). A chain of log2(C) "x += shift(x, s)" was 3x slower on CPU
+    (XLA fused the chain into its consumers and recomputed it)."""
+    return jax.lax.associative_scan(jnp.add, x, axis=-2)
 
 
 def cumsum_rows(x: jax.Array, *, reverse: bool = False, exclusive: bool = False) -> jax.Array:
@@ -229,15 +239,23 @@ def _mid_factors(G, bs: int):
     For j <= i the product is <= 1; above the diagonal inside a block it is large but finite
     in each factor, and the callers mask those entries (a select, so no inf reaches a sum).
     Columns far to the left underflow to 0 only where the true value is below e^-47.
+
+    ey is assembled as exp(G_m(I) - G_m(J)) * exp(G_m(J) - G_j) for column j in block J <= I
+    (the first factor <= 1, the second bounded like ex): C + NB^2 exponentials per channel
+    instead of NB * C. That exponential (with its mask and compensation) was the largest
+    elementwise op of the forward on CPU (~10% of it at C = 64); the extra rounding is one
+    product, and the hi differences stay exact in the same cases as before.
     """
-    C = G[0].shape[-2]
-    nb = C // bs
+    nb = G[0].shape[-2] // bs
     Gm = _gmap(lambda x: x[..., bs // 2::bs, :], G)         # middle rows [..., NB, D]
-    ex = _exp_pair(_gmap(lambda x: _blocks(x, bs), G), _gmap(lambda x: x[..., :, None, :], Gm))
-    valid = (jnp.arange(C)[None, :] < bs * (jnp.arange(nb) + 1)[:, None])[:, :, None]
-    ey = _exp_pair(_gmap(lambda x: x[..., :, None, :], Gm), _gmap(lambda x: x[..., None, :, :], G),
-                   valid)
-    return ex, ey
+    Gb = _gmap(lambda x: _blocks(x, bs), G)
+    ex = _exp_pair(Gb, _gmap(lambda x: x[..., :, None, :], Gm))
+    eo = _exp_pair(_gmap(lambda x: x[..., :, None, :], Gm), Gb)        # exp(G_m(J) - G_j)
+    blk = jnp.arange(nb)
+    em = _exp_pair(_gmap(lambda x: x[..., :, None, :], Gm), _gmap(lambda x: x[..., None, :, :], Gm),
+                   (blk[None, :] <= blk[:, None])[:, :, None])      # [..., I, J, D], 0 for J > I
+    ey = em[..., :, :, None, :] * eo[..., None, :, :, :]            # [..., I, J, bs, D]
+    return ex, ey.reshape(ey.shape[:-4] + (nb, nb * bs, ey.shape[-1]))
 
 
 def rel_forward_mid(Xs: jax.Array, Y: jax.Array, G, bs: int) -> jax.Array:
@@ -261,6 +279,16 @@ def rel_backward_mid(dR: jax.Array, Xs: jax.Array, Y: jax.Array, G, bs: int):
     return dX.reshape(Xs.shape), jnp.sum(dys * ey, axis=-3)
 
 
+SMALL_BLOCK = 8  # the inverse's blocks up to this size multiply elementwise (_small_matmul)
+
+
+def _small_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b for tiny square blocks [..., s, s] as one elementwise product and sum (f32 products,
+    f32 sums, like a HIGHEST dot). XLA:CPU runs a batched dot as one small matmul call per
+    block, ~2 us each, so the ladder's levels of 1..8-row blocks cost more than all its FLOPs."""
+    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
+
+
 def unit_lower_inverse(L: jax.Array) -> jax.Array:
     """(I + L)^-1 for strictly lower triangular L [..., C, C], C a power of two.
 
@@ -280,7 +308,10 @@ def unit_lower_inverse(L: jax.Array) -> jax.Array:
         Ainv, Dinv = X[..., 0, :, :], X[..., 1, :, :]
         Lb = L.reshape(L.shape[:-2] + (nb, 2 * s, nb, 2 * s))
         B = jnp.einsum("...IiIj->...Iij", Lb)[..., s:, :s]  # lower-left of each 2s-block
-        lower = -mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
+        if s <= SMALL_BLOCK:
+            lower = -_small_matmul(_small_matmul(Dinv, B), Ainv)
+        else:
+            lower = -mm("...ij,...jk,...kl->...il", Dinv, B, Ainv)
         top = jnp.concatenate([Ainv, jnp.zeros_like(Ainv)], axis=-1)
         X = jnp.concatenate([top, jnp.concatenate([lower, Dinv], axis=-1)], axis=-2)
         s *= 2
