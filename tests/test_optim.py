@@ -227,7 +227,7 @@ def test_experts_orthogonalised_per_expert(full_step):
 
 
 def test_bfloat16_newton_schulz(tiny):
-    """muon_ns_dtype=bfloat16 (the default) iterates in bf16 from the f32-scaled matrix: an update
+    """muon_ns_dtype=bfloat16 iterates in bf16 from the f32-scaled matrix: an update
     close to the f32 iteration's, still orthogonal (singular values in NS's band), never identical."""
     _, _, _, abstract = tiny
     path = ("periods", "layers", 2, "mlp", "w_gate")

@@ -168,7 +168,7 @@ class TrainConfig:
     opt_type: str = _f("muon", "muon | adamw", ("muon", "adamw"))
     muon_consistent_rms: Optional[float] = _f(0.2, "Muon update RMS matching AdamW (Moonlight); null = off")
     muon_weight_decay: float = _f(0.1, "decoupled weight decay of Muon leaves")
-    muon_ns_dtype: str = _f("bfloat16", "dtype of Muon's Newton-Schulz iterations (the Frobenius scaling and the update "
+    muon_ns_dtype: str = _f("float32", "dtype of Muon's Newton-Schulz iterations (the Frobenius scaling and the update "
                             "stay float32): float32 | bfloat16 (as Keller Jordan's and Moonlight's Muon)",
                             ("float32", "bfloat16"))
     adam_weight_decay: float = _f(0.1, "decoupled weight decay of AdamW leaves")
