@@ -58,25 +58,15 @@ def compensated_cumsum(g: jax.Array):
     hi is the plain cumsum. Each step's rounding d_t = (hi_{t-1} + g_t) - hi_t is recovered
     exactly with Knuth's TwoSum (s + e = hi_{t-1} + g_t; s - hi_t is exact by Sterbenz, as both
     approximate the same prefix sum to a few ulps), so sum_{u<=t} g_u = hi_t + cumsum(d)_t.
-    Two cumsums and a few elementwise ops, whatever order the cumsums add in: both are
-    _scan_cumsum (on CPU the two 0/1-triangle matmuls of cumsum_rows, C multiply-adds per
-    element and a transpose each way, were ~10% of the forward).
+    Two cumsums and a few elementwise ops, whatever order XLA sums hi in.
     """
-    hi = _scan_cumsum(g)
+    hi = cumsum_rows(g)
     prev = jnp.concatenate([jnp.zeros_like(g[..., :1, :]), hi[..., :-1, :]], axis=-2)
     s = prev + g
     bb = s - prev
     e = (prev - (s - bb)) + (g - bb)                       # TwoSum: prev + g = s + e exactly
     d = (s - hi) + e
-    return hi, _scan_cumsum(d)
-
-
-def _scan_cumsum(x: jax.Array) -> jax.Array:
-    """Inclusive cumsum over the rows of x [..., C, D] by lax.associative_scan: 2 log2(C)
-    levels of elementwise adds on strided slices, each row's sum a tree of its prefix (as
-    exact as a serial f32 sum). A chain of log2(C) "x += shift(x, s)" was 3x slower on CPU
-    (XLA fused the chain into its consumers and recomputed it)."""
-    return jax.lax.associative_scan(jnp.add, x, axis=-2)
+    return hi, cumsum_rows(d)
 
 
 def cumsum_rows(x: jax.Array, *, reverse: bool = False, exclusive: bool = False) -> jax.Array:
