@@ -19,7 +19,8 @@ rounds (2); each side keeps its fastest round.
 
     .venv/bin/python benchmarks/decode_vs_hf.py                       # batch 1, 8, 32
     .venv/bin/python benchmarks/decode_vs_hf.py --set moe_gather_max_tokens=0   # dropless only
-    .venv/bin/python benchmarks/decode_vs_hf.py --cores 1 --set moe_impl=blocked  # k3jax on one core
+    .venv/bin/python benchmarks/decode_vs_hf.py --cores 1                 # k3jax on one core
+    .venv/bin/python benchmarks/decode_vs_hf.py --set moe_impl=ragged_dot  # the TPU grouped matmul
 Results: a table on stdout and benchmarks/results/decode_vs_hf.json (--out).
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ Each round runs MaxText's trainer and then ours, each as a fresh process on the 
 device), with the same model and training settings: MaxText's deepseek3-tiny cut to 4 layers (1
 dense) and a 32000 vocabulary (configs/models/deepseek3-tiny.yml is that shape), per-device batch 2
 x 256 tokens, float32 activations and weights, scanned layers, full remat, Muon with QK-clip,
-synthetic data, no checkpoints. Each side keeps its own kernel defaults for the CPU, plus
-``--ours-set`` (default ``moe_impl=blocked``, the grouped matmul docs/moe.md recommends on CPU).
+synthetic data, no checkpoints. Each side keeps its own kernel defaults for the CPU (ours:
+``moe_impl=auto`` is the blocked grouped matmul there), plus ``--ours-set`` (default: nothing).
 
   MaxText   ``python -m maxtext.trainers.pre_train.train`` in its own venv (``--maxtext-python``;
             ``pip install "maxtext[tpu]==0.2.5"`` into a Python 3.12 venv) with ``hardware=cpu
@@ -89,7 +89,7 @@ def main(argv=None):
     p.add_argument("--maxtext-set", nargs="*", default=["sparse_matmul=False"], metavar="KEY=VALUE",
                    help="extra MaxText overrides (default: its dense MoE matmul; its megablox kernel is "
                         "a TPU Pallas kernel)")
-    p.add_argument("--ours-set", nargs="*", default=["moe_impl=blocked"], metavar="KEY=VALUE",
+    p.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra k3jax config overrides")
     p.add_argument("--out", default=result_path("train_vs_maxtext"))
     a = p.parse_args(argv)

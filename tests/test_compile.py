@@ -61,6 +61,8 @@ def test_tiny_train_step_compiles_for_v5p(tiny_compiled):
     assert gb == 2      # 2 rows per device x 4 devices / context 4: the 4 devices hold slices of the same rows
     # The context kernels' ppermutes (conv halos, the previous slice's last segment id).
     assert "collective-permute" in compiled.as_text()
+    # moe_impl=auto resolves for the mesh's TPU devices (ragged_dot), not for this CPU host (blocked).
+    assert cfg.kernel.moe_impl == "auto" and "ragged" in compiled.as_text()
     mem = K.memory_report(compiled, topo.chip.hbm_bytes)
     assert mem["arguments"] > 0 and mem["temporaries"] > 0
     assert 0 < mem["total"] < mem["hbm"] and mem["fits"]

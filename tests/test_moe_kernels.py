@@ -220,6 +220,21 @@ def test_few_token_path_rule():
     assert few_token_path(512, 8, 16, 64) is None                      # ragged_dot: the rule is blocked's
 
 
+def test_moe_impl_auto_resolves_by_platform():
+    from k3jax.kernels.moe.blocked import blocked_grouped_matmul
+    from k3jax.kernels.moe.gmm import resolve_impl
+    assert resolve_impl("auto", "cpu") == "blocked"          # XLA:CPU's ragged_dot: every expert on every row
+    assert resolve_impl("auto", "tpu") == "ragged_dot"
+    assert resolve_impl("auto", "gpu") == "ragged_dot"
+    assert resolve_impl("auto") == "blocked"                 # no mesh here: the default backend, CPU
+    assert resolve_impl("megablox", "cpu") == "megablox"     # an explicit choice is kept
+    # blocked (auto's CPU pick) takes numpy operands as ragged_dot does (an eager model whose
+    # parameters came back from jax.device_get indexes its experts with a scan's tracer).
+    lhs, rhs = np.ones((6, 3), np.float32), np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    sizes = jnp.array([2, 4], jnp.int32)
+    np.testing.assert_allclose(blocked_grouped_matmul(lhs, rhs, sizes), jax.lax.ragged_dot(lhs, rhs, sizes))
+
+
 @pytest.mark.parametrize("block", [1, 4, 16])
 def test_blocked_grouped_matmul_any_block_size(block):
     """Groups spanning several blocks, empty groups, rows past the groups, and one block per
@@ -280,7 +295,8 @@ def test_moe_layer_picks_few_token_dispatch_below_the_limit():
     from k3jax.layers.moe import MoE
 
     def layer(limit):
-        cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", f"moe_gather_max_tokens={limit}"])
+        cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "moe_impl=ragged_dot",
+                                                   f"moe_gather_max_tokens={limit}"])
         return MoE(cfg.model, cfg.kernel, nnx.Rngs(0))
     on, off = layer(64), layer(0)
     x = jax.random.normal(jax.random.key(1), (1, 5, on.cfg.hidden_size))

@@ -31,6 +31,7 @@ from k3jax.cli import run_tool
 from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
+from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
 from k3jax.loss import resolve_loss_impl
 from k3jax.feed import token_sharding
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
@@ -436,7 +437,7 @@ def run(cfg, out=print) -> dict:
     total, active = counts.param_counts(m)
     out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
         f"{counts.human(active)} active; kernels kda={cfg.kernel.kda_impl} attention={cfg.kernel.attention_impl} "
-        f"moe={cfg.kernel.moe_impl}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} "
+        f"moe={resolve_moe_impl(cfg.kernel.moe_impl, mesh.devices.flat[0].platform)}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} "
         f"loss={resolve_loss_impl(cfg.kernel.loss_impl, mesh.devices.flat[0].platform)}; "
         f"remat={cfg.train.remat_policy}")
     reports = {}

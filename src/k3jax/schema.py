@@ -128,10 +128,11 @@ class KernelConfig:
                                        "NaN")
     attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
                              "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
-    moe_impl: str = _f("ragged_dot", "grouped matmul: ragged_dot (TPU, GPU) | megablox (Pallas TPU) | blocked (a scan over "
-                       "row blocks: use on CPU, where ragged_dot runs every expert on every row) | dense (reference) | "
-                       "tokamax_ragged_dot (tokamax.ragged_dot: Mosaic kernel on TPU, XLA elsewhere; no mxfp4 experts)",
-                       ("ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot"))
+    moe_impl: str = _f("auto", "grouped matmul: auto (blocked on CPU, ragged_dot on TPU/GPU) | ragged_dot (TPU, GPU) | "
+                       "megablox (Pallas TPU) | blocked (a scan over row blocks: the CPU one, where ragged_dot runs "
+                       "every expert on every row) | dense (reference) | tokamax_ragged_dot (tokamax.ragged_dot: "
+                       "Mosaic kernel on TPU, XLA elsewhere; no mxfp4 experts)",
+                       ("auto", "ragged_dot", "megablox", "blocked", "dense", "tokamax_ragged_dot"))
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, or with moe_impl=blocked loops over the used expert blocks (N*top_k <= 4*experts), instead of sort + ragged matmul; with moe_impl=blocked and experts <= 2*top_k one-hot at any token count; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")

@@ -11,6 +11,7 @@ from flax import nnx
 from k3jax import sharding as S
 from k3jax.kernels.moe import balance, dispatch, routing
 from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
+from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
 from k3jax.kernels.moe.quantized import MX_BLOCK, MXFP4
 from k3jax.layers.common import MLP, Packed, RouterBias, glu_activation, ones, param, rms_norm, zeros
 
@@ -100,7 +101,7 @@ class MoE(nnx.Module):
         ws = (self.w_gate, self.w_up, self.w_down)
         if self.cfg.experts_format == "mxfp4":
             return tuple(w.operand() for w in ws)
-        return tuple(w[...].astype(dtype) for w in ws)
+        return tuple(jnp.asarray(w[...], dtype) for w in ws)   # a jax array even from numpy values (indexed by tracers)
 
     def _dispatch(self, x, w, idx):
         """Routed experts (latent projections included): x [N,D] -> ([N,D] in x.dtype, dropped)."""
@@ -111,6 +112,7 @@ class MoE(nnx.Module):
         experts = self.experts(x.dtype)
         dropped = jnp.zeros((), jnp.float32)
         mesh = jax.sharding.get_abstract_mesh()
+        impl = resolve_moe_impl(k.moe_impl)
         if not mesh.empty and mesh.shape.get(S.EXPERT_AXIS, 1) > 1:
             if k.moe_ep_transport == "ragged" and mesh.abstract_device.platform == "cpu":
                 raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
@@ -122,7 +124,7 @@ class MoE(nnx.Module):
             rows = tuple(a for a in S.MOE_ROW_AXES if a in mesh.shape)
             r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
                                     ffn_axis=ffn_axis, row_axes=rows,
-                                    token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=k.moe_impl,
+                                    token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
                                     transport=k.moe_ep_transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
                                     interpret=k.pallas_interpret)
@@ -130,16 +132,16 @@ class MoE(nnx.Module):
                 r, dropped = r
         elif k.moe_mode == "capacity":
             r, dropped = dispatch.moe_capacity(z, w, idx, *experts, self.act, capacity_factor=k.capacity_factor)
-        elif k.moe_impl == "dense":
+        elif impl == "dense":
             r = dispatch.moe_dense_reference(z, w, idx, *experts, self.act)
         elif path := dispatch.few_token_path(x.shape[0], c.num_experts_per_token, c.num_experts,
-                                             k.moe_gather_max_tokens, impl=k.moe_impl):
+                                             k.moe_gather_max_tokens, impl=impl):
             # Decode steps and short prefills: gather the chosen experts, one-hot over all, or
             # (moe_impl=blocked) loop over the used expert blocks; no ragged matmul; same
             # routing and result as dropless (docs/moe.md).
             r = dispatch.moe_few_tokens(z, w, idx, *experts, self.act, path=path)
         else:
-            r = dispatch.moe_dropless(z, w, idx, *experts, self.act, impl=k.moe_impl,
+            r = dispatch.moe_dropless(z, w, idx, *experts, self.act, impl=impl,
                                       interpret=k.pallas_interpret)
         r = r.astype(x.dtype)
         if c.moe_latent_size:

@@ -139,6 +139,7 @@ def blocked_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.
       [M, N] in preferred_element_type; differentiable wrt lhs and rhs (custom VJP).
     """
     block = block or block_rows(lhs.shape[0], rhs.shape[0])
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)       # numpy operands too, as ragged_dot takes them
     return _blocked(lhs, rhs, group_sizes.astype(jnp.int32), block, jnp.dtype(preferred_element_type))
 
 
