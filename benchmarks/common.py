@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -66,12 +67,41 @@ def median_time(fn: Callable[[], object], *, warmup: int, repeats: int) -> tuple
     return statistics.median(times), times
 
 
-def profile_top_ops(fn: Callable[[], object], trace_dir: str, top: int = 15) -> list[dict]:
-    """Run ``fn()`` under ``jax.profiler.trace(trace_dir, create_perfetto_trace=True)`` and return
-    the ``top`` HLO ops by total time: the trace's complete events that XLA tagged with an
-    ``hlo_op``, aggregated by (module, op name) over all their executions.
+# Named scopes the train step's code opens (model.py, step.py, layers/moe.py, optim/orthogonalize.py),
+# innermost last in an op's op_name; a profile's ops are grouped by the innermost one.
+SCOPES = ("loss", "mixer", "ffn", "router", "dispatch", "residual_mix", "optimizer", "newton_schulz")
 
-    Rows: {"module", "op", "total_ms", "count", "mean_us", "share_pct"} (share of all HLO op time).
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its ``op_name`` metadata (the jax call path, named scopes included),
+    from a compiled module's text (``compiled.as_text()``): what a trace's ``hlo_op`` refers to."""
+    out = {}
+    for m in re.finditer(r'%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', hlo_text):
+        out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def scope_of(op_name: str | None) -> str:
+    """The group of one op: its innermost named scope of SCOPES, prefixed "bwd" when it runs in the
+    backward (under ``transpose(``, remat recomputation included) or "fwd" under ``jvp(``."""
+    if not op_name:
+        return "(no op_name)"
+    inner = [p for p in re.split(r"[/()]", op_name) if p in SCOPES]
+    phase = "bwd " if "transpose(" in op_name else "fwd " if "jvp(" in op_name else ""
+    if inner and inner[-1] in ("optimizer", "newton_schulz"):
+        phase = ""
+    return phase + (inner[-1] if inner else "other")
+
+
+def profile_top_ops(fn: Callable[[], object], trace_dir: str, top: int = 15, hlo_text: str | None = None) -> dict:
+    """Run ``fn()`` under ``jax.profiler.trace(trace_dir, create_perfetto_trace=True)``; print and
+    return the ``top`` HLO ops by total time (the trace's complete events that XLA tagged with an
+    ``hlo_op``, aggregated by (module, op name) over all their executions) and, given the compiled
+    module's text of the profiled program, the op time per named scope (``scope_of``): a scan or
+    while loop is one op of the first table, while the second splits its body by what it computes.
+
+    Returns {"ops": rows {"module", "op", "total_ms", "count", "mean_us", "share_pct"} (share of all
+    HLO op time), "scopes": rows {"scope", "total_ms", "ops", "share_pct", "top_op"} or None}.
     Open ``<trace_dir>/plugins/profile/*/perfetto_trace.json.gz`` in ui.perfetto.dev for the timeline.
     """
     import glob
@@ -101,7 +131,27 @@ def profile_top_ops(fn: Callable[[], object], trace_dir: str, top: int = 15) -> 
     print(f"\ntop {top} ops by total time ({all_us / 1e3:.1f} ms of ops in the trace; {path})")
     print_table(rows, [("module", "module", "s"), ("op", "op", "s"), ("total ms", "total_ms", ".2f"), ("count", "count", "d"),
                        ("mean us", "mean_us", ".1f"), ("share %", "share_pct", ".1f")])
-    return rows
+    scopes = None
+    if hlo_text is not None:
+        # A loop op's own time contains its body's ops, which the trace also records: only leaf
+        # ops (no while/call/conditional wrappers) are summed, so nothing is counted twice.
+        names = hlo_op_names(hlo_text)
+        by: dict[str, dict] = {}
+        leaf_us = 0.0
+        for (_, op), (us, _n) in totals.items():
+            if re.match(r"(while|call|conditional)(\.|$)", op):
+                continue
+            leaf_us += us
+            g = by.setdefault(scope_of(names.get(op)), {"us": 0.0, "ops": {}})
+            g["us"] += us
+            g["ops"][op] = g["ops"].get(op, 0.0) + us
+        scopes = [{"scope": k, "total_ms": g["us"] / 1e3, "ops": len(g["ops"]),
+                   "share_pct": 100 * g["us"] / (leaf_us or 1.0), "top_op": max(g["ops"], key=g["ops"].get)}
+                  for k, g in sorted(by.items(), key=lambda kv: -kv[1]["us"])]
+        print(f"\nop time by named scope ({leaf_us / 1e3:.1f} ms of leaf ops; bwd = backward, remat included)")
+        print_table(scopes, [("scope", "scope", "s"), ("total ms", "total_ms", ".2f"), ("ops", "ops", "d"),
+                             ("share %", "share_pct", ".1f"), ("top op", "top_op", "s")])
+    return {"ops": rows, "scopes": scopes}
 
 
 def machine() -> dict:

@@ -13,8 +13,10 @@ compiles), then the median of the timed steps.
                 best of 5 runs of ~1 s at n=2048, measured just before each config's timing, in
                 the same process; the spread of the 5 runs is printed and kept in the JSON): the
                 CPU 'MFU'
-  --profile DIR two more steps under jax.profiler.trace (a perfetto trace per config under DIR)
-                and the top-15 ops by total time printed and kept in the JSON
+  --profile DIR two more steps under jax.profiler.trace (a perfetto trace per config under DIR);
+                the top-15 ops by total time and the op time per named scope (loss, mixer,
+                dispatch, router, ffn, residual_mix, optimizer, newton_schulz; fwd / bwd) printed
+                and kept in the JSON (common.profile_top_ops, mapped through the step's HLO text)
 
 The deepseek3-tiny row uses exactly MaxText's settings for that model (DS3_TINY below), so its
 tokens/s can be set beside MaxText's Tokens/s/device for the same model on the same machine.
@@ -91,18 +93,21 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile
 
     def one_step():
         with jax.set_mesh(mesh):
-            holder["state"], m = step(holder["state"], next(it))
+            holder["state"], m = compiled(holder["state"], next(it))
         m = jax.block_until_ready(m)
         holder["loss"].append(float(m["loss"]))
 
     t0 = time.perf_counter()
-    one_step()                                   # compile + first step
+    with jax.set_mesh(mesh):                     # compiled once, ahead of the calls: its HLO text
+        compiled = step.lower(state, batches[0]).compile()   # names the profile's ops
+    one_step()                                   # first step
     first_s = time.perf_counter() - t0
     peak = measure_cpu_matmul_peak()             # the machine's f32 matmul rate, right now
     sec, times = median_time(one_step, warmup=max(warmup - 1, 0), repeats=repeats)
     top = None
     if profile_dir:
-        top = profile_top_ops(lambda: [one_step() for _ in range(n_prof)], os.path.join(profile_dir, name))
+        top = profile_top_ops(lambda: [one_step() for _ in range(n_prof)], os.path.join(profile_dir, name),
+                              hlo_text=compiled.as_text())
     flops_tok = counts.train_flops_per_token(cfg.model, seq, cfg.kernel.kda_chunk_size)
     tok_s = gb * seq / sec
     tflops = flops_tok * tok_s / 1e12

@@ -150,8 +150,9 @@ def make_train_step(cfg, gdef, tx):
         model = nnx.merge(gdef, params, rest)
         layout = model.layout
         grad_norm = optax.global_norm(grads)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):     # a profile's ops group by these scopes (docs/benchmarks.md)
+            updates, new_opt = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": weight}
         if cfg.kernel.loss_impl != "tokamax":   # tokamax's fused CE forms no logits to take an argmax of
             metrics["accuracy"] = correct / jnp.maximum(weight, 1)

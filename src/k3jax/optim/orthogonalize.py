@@ -68,14 +68,15 @@ def newton_schulz(x: jax.Array, steps: int = NS_STEPS, coeffs=NS_COEFFS, eps: fl
     the iterations in ``dtype`` (None: x.dtype); the result has x's dtype.
     """
     out_dtype = x.dtype
-    x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
-    x = x.astype(dtype or out_dtype)
-    a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
-    for _ in range(steps):
-        gram = jnp.einsum("...ik,...jk->...ij", x, x)                     # [..., r, r]
-        poly = b * gram + c * jnp.einsum("...ij,...jk->...ik", gram, gram)
-        x = a * x + jnp.einsum("...ij,...jk->...ik", poly, x)
-    return x.astype(out_dtype)
+    with jax.named_scope("newton_schulz"):     # a profile's ops group by it (docs/benchmarks.md)
+        x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+        x = x.astype(dtype or out_dtype)
+        a, b, c = (jnp.asarray(v, x.dtype) for v in coeffs)
+        for _ in range(steps):
+            gram = jnp.einsum("...ik,...jk->...ij", x, x)                     # [..., r, r]
+            poly = b * gram + c * jnp.einsum("...ij,...jk->...ik", gram, gram)
+            x = a * x + jnp.einsum("...ij,...jk->...ik", poly, x)
+        return x.astype(out_dtype)
 
 
 def orthogonalize(x: jax.Array, spec: MatrixSpec, steps: int = NS_STEPS, coeffs=NS_COEFFS,
