@@ -435,10 +435,11 @@ def run(cfg, out=print) -> dict:
     chip, n = topo.chip, mesh.devices.size
     m = cfg.model
     total, active = counts.param_counts(m)
+    platform = mesh.devices.flat[0].platform
     out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
         f"{counts.human(active)} active; kernels kda={cfg.kernel.kda_impl} attention={cfg.kernel.attention_impl} "
-        f"moe={resolve_moe_impl(cfg.kernel.moe_impl, mesh.devices.flat[0].platform)}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} "
-        f"loss={resolve_loss_impl(cfg.kernel.loss_impl, mesh.devices.flat[0].platform)}; "
+        f"moe={resolve_moe_impl(cfg.kernel.moe_impl, platform)}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} "
+        f"loss={resolve_loss_impl(cfg.kernel.loss_impl, platform)}; "
         f"remat={cfg.train.remat_policy}")
     reports = {}
     if cfg.compile.compile_step in ("train", "both"):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from k3jax.config import ConfigError
 from k3jax.kernels.moe import balance
+from k3jax.kernels.platform import target_platform
 from k3jax.layers.common import REST
 from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_impl, tokamax_context,
                         tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
@@ -71,20 +72,13 @@ def check_trainable(cfg) -> None:
                           f"(freeze=[experts]) or train with experts_format=dense")
 
 
-def _platform() -> str:
-    """Platform of the devices the step is traced for: the ambient mesh's (an AOT compile for a TPU
-    topology runs on a CPU host), else the default backend's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-
-
 def make_loss(cfg):
     """(h [B,T,D], lm head [D,V], targets, loss_mask) -> (masked loss sum, mask sum, correct) by
     ``loss_impl`` (k3jax.loss). With tokamax, ``correct`` is a 0 placeholder (no logits formed)."""
     if cfg.kernel.loss_impl == "tokamax":
         def fn(h, w, targets, mask):
             # rows split over the batch, context and tensor axes (loss.tokamax_cross_entropy)
-            return tokamax_cross_entropy(h, w, targets, mask, implementation=tokamax_implementation(_platform()),
+            return tokamax_cross_entropy(h, w, targets, mask, implementation=tokamax_implementation(target_platform()),
                                          row_axes=(*BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS))
         return fn
     if cfg.kernel.loss_impl == "vocab_parallel":
@@ -100,7 +94,7 @@ def make_loss(cfg):
         return fn
     return lambda h, w, targets, mask: chunked_cross_entropy(
         h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight,
-        grad_in_forward=resolve_loss_impl(cfg.kernel.loss_impl, _platform()) == "chunked_fused")
+        grad_in_forward=resolve_loss_impl(cfg.kernel.loss_impl, target_platform()) == "chunked_fused")
 
 
 def make_train_step(cfg, gdef, tx):
@@ -127,7 +121,7 @@ def make_train_step(cfg, gdef, tx):
         # tokamax's Mosaic kernels (loss, grouped matmul) check the host's device when traced,
         # the backward included, which is traced here, outside loss_fn (k3jax.loss.tokamax_context)
         uses_tokamax = cfg.kernel.loss_impl == "tokamax" or cfg.kernel.moe_impl == "tokamax_ragged_dot"
-        with tokamax_context(tokamax_implementation(_platform()) if uses_tokamax else "none"):
+        with tokamax_context(tokamax_implementation(target_platform()) if uses_tokamax else "none"):
             return _step(state, batch)
 
     def _step(state, batch):

@@ -19,10 +19,11 @@ import functools
 
 from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
-from k3jax.kernels.kda.pallas_tpu import check_platform, kda_pallas, target_platform
+from k3jax.kernels.kda.pallas_tpu import check_platform, kda_pallas
 from k3jax.kernels.kda.reference import kda_reference
 from k3jax.kernels.kda.sharded import shard_kda
 from k3jax.kernels.kda.tokamax import TOKAMAX_CHUNK, default_implementation, kda_tokamax
+from k3jax.kernels.platform import target_platform
 
 KDA_IMPLS = {
     "reference": kda_reference,

@@ -36,18 +36,9 @@ from jax.experimental.pallas import tpu as pltpu
 from k3jax.kernels.kda.chunked import check_inputs, chunk_resets, from_chunks, to_chunks
 from k3jax.kernels.kda.common import compute_dtype, match_vma
 from k3jax.kernels.kda.intra import IntraOut, intra_backward, intra_forward
+from k3jax.kernels.platform import target_platform
 
 _F32 = jnp.float32
-
-
-def target_platform() -> str:
-    """Platform the current trace lowers for: the active mesh's (jax.set_mesh), else default.
-
-    Ahead-of-time compilation for a TPU topology from a CPU host sets a mesh of TPU devices, so
-    the kernels lower for TPU although the default backend is CPU.
-    """
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
 
 
 def check_platform(interpret: bool) -> None:

@@ -32,7 +32,7 @@ import contextlib
 
 from k3jax.kernels.kda.chunked import check_inputs
 from k3jax.kernels.kda.common import reset_flags
-from k3jax.kernels.kda.pallas_tpu import target_platform
+from k3jax.kernels.platform import target_platform
 
 TOKAMAX_CHUNK = 64
 TOKAMAX_IMPLEMENTATIONS = ("xla_chunked", "mosaic")

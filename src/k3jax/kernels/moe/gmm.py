@@ -40,6 +40,7 @@ from jax.experimental.pallas.ops.tpu import megablox
 from k3jax.kernels.moe.blocked import blocked_grouped_matmul
 from k3jax.kernels.moe.mxfp4_gmm import mxfp4_grouped_matmul
 from k3jax.kernels.moe.quantized import MXFP4, dequantize
+from k3jax.kernels.platform import target_platform
 
 __all__ = ["grouped_matmul", "IMPLS", "resolve_impl", "row_group_ids"]
 
@@ -94,11 +95,6 @@ def _megablox(lhs, rhs, group_sizes, preferred_element_type, tiling, interpret):
     return out[:m]
 
 
-def _platform() -> str:
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-
-
 def resolve_impl(impl: str, platform: str | None = None) -> str:
     """``moe_impl=auto`` for devices of ``platform`` (None: the ambient mesh's, else the default
     backend's, so an AOT compile for a TPU topology on a CPU host resolves for TPU): ``blocked``
@@ -106,12 +102,12 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     49.3 -> 10.1 s), ``ragged_dot`` on TPU and GPU. Any other name is returned unchanged."""
     if impl != "auto":
         return impl
-    return "blocked" if (platform or _platform()) == "cpu" else "ragged_dot"
+    return "blocked" if (platform or target_platform()) == "cpu" else "ragged_dot"
 
 
 def _tokamax(lhs, rhs, group_sizes, preferred_element_type):
     import tokamax
-    impl = "mosaic_tpu" if _platform() == "tpu" else "xla"
+    impl = "mosaic_tpu" if target_platform() == "tpu" else "xla"
     m = lhs.shape[0]
     if impl == "mosaic_tpu":
         # The Mosaic kernel needs M divisible by its 128-row tile (NotImplementedError otherwise,
