@@ -13,8 +13,9 @@ demo: setup
 	@bash scripts/demo.sh
 
 # --dist worksteal hands each xdist worker a contiguous half of the tests and steals from the end of
-# the busier one, so a module-scoped fixture (a served model, a fine-tuning journey) is built once,
-# where plain -n 2 built the journey on both workers. Measured from a cold cache on one host:
+# the busier one, so a module's tests mostly stay on one worker and its module-scoped fixture (a
+# served model, a fine-tuning journey) is built once (a steal can still split a module), where plain
+# -n 2 built the journey on both workers. Measured from a cold cache on one host:
 # worksteal 1065 s, plain 1068 s, loadscope 1128 / 1326 s (one module per worker leaves a long tail).
 # (--dist loadgroup does nothing here: with pytest 9.2 and xdist 3.8 its groups never form.)
 test: setup
