@@ -75,7 +75,13 @@ def test_types_are_coerced(kv, key, expected):
 
 @pytest.mark.parametrize("args,fragment", [
     (["no_such_key=1"], "unknown config key 'no_such_key'"),
-    (["learning_rat=1"], "did you mean 'learning_rate'"),
+    (["learning_rat=1"], "did you mean 'learning_rate' (peak learning rate)?"),
+    # Other trainers' names point at the k3jax key, not at a look-alike (difflib alone answered
+    # 'async_checkpointing' for load_checkpoint and 'seed' for seq_len).
+    (["load_checkpoint=runs/demo"], "did you mean 'load_parameters_path' (start from these parameters"),
+    (["seq_len=128"], "did you mean 'max_target_length'"),
+    (["lr=1e-3"], "did you mean 'learning_rate'"),
+    (["resume_from_checkpoint=true"], "resumes by itself from the latest checkpoint"),
     (["steps=abc"], "steps='abc': expected int"),
     (["steps=1.5"], "expected int"),
     (["scan_layers=3"], "expected bool"),

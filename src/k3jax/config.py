@@ -137,9 +137,57 @@ def canonical_keys(values: dict, where: str) -> dict:
     return out
 
 
+# Names other trainers (Hugging Face Trainer, NeMo, torchtitan, nanoGPT) use for a k3jax key. Not
+# aliases: their meanings differ in details (units, what a path may point at), so they are refused,
+# but the error names the key to use instead of a merely similar-looking one.
+OTHER_NAMES = {
+    **dict.fromkeys(("load_checkpoint", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path",
+                     "init_checkpoint", "init_from", "pretrained", "pretrained_model_name_or_path"),
+                    "load_parameters_path"),
+    **dict.fromkeys(("resume", "resume_from_checkpoint", "restore", "restore_from", "auto_resume"), None),
+    **dict.fromkeys(("warmup", "warmup_steps", "warmup_ratio"), "warmup_steps_fraction"),
+    **dict.fromkeys(("batch_size", "micro_batch_size", "per_device_train_batch_size", "train_batch_size"),
+                    "per_device_batch_size"),
+    **dict.fromkeys(("lr", "max_lr", "peak_lr"), "learning_rate"),
+    **dict.fromkeys(("max_steps", "num_steps", "train_steps", "total_steps", "training_steps", "iters",
+                     "max_iters"), "steps"),
+    **dict.fromkeys(("seq_len", "seq_length", "max_seq_len", "max_seq_length", "sequence_length", "block_size",
+                     "context_length"), "max_target_length"),
+    **dict.fromkeys(("output_dir", "out_dir", "save_dir", "checkpoint_dir", "run_dir"), "base_output_directory"),
+    **dict.fromkeys(("save_steps", "save_every", "save_interval", "checkpoint_interval", "checkpoint_every"),
+                    "checkpoint_period"),
+    **dict.fromkeys(("logging_steps", "log_every", "log_interval"), "log_period"),
+    **dict.fromkeys(("eval_every", "eval_steps_interval"), "eval_interval"),
+    **dict.fromkeys(("grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clip_val"),
+                    "gradient_clipping_threshold"),
+    **dict.fromkeys(("data_path", "train_data", "train_file", "dataset", "data_dir"), "dataset_path"),
+    **dict.fromkeys(("tokenizer", "tokenizer_name", "tokenizer_dir"), "tokenizer_path"),
+    **dict.fromkeys(("max_tokens", "max_new_tokens_to_generate", "num_tokens", "gen_len"), "max_new_tokens"),
+    **dict.fromkeys(("model", "model_type", "model_config"), "model_name"),
+    **dict.fromkeys(("optimizer", "optim"), "opt_type"),
+}
+
+
+RESUME_HINT = ("; a run resumes by itself from the latest checkpoint under <base_output_directory>/<run_name> "
+               "(run the same command again); load_parameters_path= starts a new run from saved parameters")
+
+
 def _unknown(key: str, where: str) -> ConfigError:
-    near = difflib.get_close_matches(key, all_keys() + list(ALIASES), n=1, cutoff=0.5)
-    hint = f"; did you mean '{near[0]}'?" if near else "; run `python -m k3jax.config configs/base.yml` to list keys"
+    keys = all_keys()
+    if key.lower() in OTHER_NAMES and OTHER_NAMES[key.lower()] is None:
+        return ConfigError(f"unknown config key '{key}' ({where}){RESUME_HINT}")
+    near = OTHER_NAMES.get(key.lower())
+    if near is None or near not in keys:
+        close = difflib.get_close_matches(key, keys + list(ALIASES), n=1, cutoff=0.5)
+        near = close[0] if close else None
+    if near is None:
+        hint = "; run `python -m k3jax.config configs/base.yml` to list keys"
+    else:
+        canon = ALIASES.get(near, near)
+        about = KEYS[canon][1].metadata.get("help", "").split(";")[0] if canon in KEYS else ""
+        if len(about) > 90:
+            about = about[:90].rsplit(" ", 1)[0] + " ..."
+        hint = f"; did you mean '{near}'" + (f" ({about})" if about else "") + "?"
     return ConfigError(f"unknown config key '{key}' ({where}){hint}")
 
 
