@@ -83,6 +83,23 @@ def compiler_options(cfg) -> dict:
     return {"compiler_options": {"xla_dump_to": str(d), "xla_dump_hlo_as_text": True}} if d else {}
 
 
+def compile_lowered(lowered, cfg, mesh):
+    """``lowered.compile()`` with ``compiler_options``. For a mesh of another platform's virtual
+    devices (a TPU topology compiled from a CPU host) the persistent compilation cache is off for
+    the call: this process has no client that can load such an executable, so an entry would be
+    written (a large one for K3, to ``jax_cache_dir``, perhaps gs://) only to fail on every later
+    read with "PjRtCompiler must be constructed with a Client" and be compiled again."""
+    foreign = mesh.devices.flat[0].platform != jax.default_backend()
+    was = jax.config.jax_enable_compilation_cache
+    if foreign:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile(**compiler_options(cfg))
+    finally:
+        if foreign:
+            jax.config.update("jax_enable_compilation_cache", was)
+
+
 def compile_train(cfg, mesh):
     """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
     gb = check_batch(cfg, mesh.devices.size)
@@ -91,7 +108,7 @@ def compile_train(cfg, mesh):
     step = jit_train_step(cfg, gdef, tx, state)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, abstract_batch(cfg, mesh, gb)).compile(**compiler_options(cfg))
+        compiled = compile_lowered(step.lower(state, abstract_batch(cfg, mesh, gb)), cfg, mesh)
     return compiled, time.perf_counter() - t0, gb
 
 
@@ -130,7 +147,7 @@ def compile_decode(cfg, mesh):
             jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = fn.lower(*args).compile(**compiler_options(cfg))
+        compiled = compile_lowered(fn.lower(*args), cfg, mesh)
     return compiled, time.perf_counter() - t0, gb
 
 
@@ -151,8 +168,8 @@ def compile_prefill(cfg, mesh):
     fn = jax.jit(step, out_shardings=(None, jax.tree.map(lambda x: x.sharding, cache)))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)).compile(
-            **compiler_options(cfg))
+        compiled = compile_lowered(fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)),
+                                   cfg, mesh)
     return compiled, time.perf_counter() - t0, gb
 
 
