@@ -44,6 +44,7 @@ from k3jax import config as C  # noqa: E402
 from k3jax import counts  # noqa: E402
 from k3jax.metrics import measure_cpu_matmul_peak  # noqa: E402
 from k3jax.model import count_params  # noqa: E402
+from k3jax.optim.muon import newton_schulz_flops_per_step  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
 from k3jax.feed import host_feed  # noqa: E402
@@ -65,7 +66,8 @@ COLUMNS = [("config", "config", "s"), ("B x T", "shape", "s"), ("params", "param
            ("GFLOP/tok", "train_gflop_per_token", ".4f"), ("step ms", "step_ms", ".1f"),
            ("tokens/s", "tokens_per_s", ".0f"), ("TFLOP/s", "model_tflops", ".4f"),
            ("f32 peak TFLOP/s", "cpu_peak_tflops", ".4f"), ("peak spread %", "peak_spread_pct", ".1f"),
-           ("vs peak %", "vs_peak_pct", ".2f"),
+           ("vs peak %", "vs_peak_pct", ".2f"), ("NS GFLOP/step", "ns_gflop_per_step", ".0f"),
+           ("with NS vs peak %", "with_ns_vs_peak_pct", ".2f"),
            ("compile s", "compile_and_first_step_s", ".1f")]
 
 
@@ -83,6 +85,7 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile
     seq = cfg.train.max_target_length
     gdef, state, tx = init_state(cfg, mesh, optimizer=True)
     n_params = count_params(state["params"])
+    ns_flops = newton_schulz_flops_per_step(state["params"], cfg.train)     # per step, any batch
     step = jit_train_step(cfg, gdef, tx, state)
     data = data_iterator(cfg, gb)
     n_prof = 2 if profile_dir else 0
@@ -111,12 +114,14 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile
     flops_tok = counts.train_flops_per_token(cfg.model, seq, cfg.kernel.kda_chunk_size)
     tok_s = gb * seq / sec
     tflops = flops_tok * tok_s / 1e12
+    with_ns = tflops + ns_flops / sec / 1e12
     t = cfg.train
     return {"config": name, "batch": gb, "seq": seq, "params": n_params,
             "active_params": counts.param_counts(cfg.model)[1], "train_gflop_per_token": flops_tok / 1e9,
             "compile_and_first_step_s": first_s, "step_s": sec, "step_times_s": times, "tokens_per_s": tok_s,
             "model_tflops": tflops, "cpu_peak_tflops": peak["tflops"], "cpu_peak_runs_tflops": peak["runs_tflops"],
             "cpu_peak_spread": peak["spread"], "vs_peak": tflops / peak["tflops"], "top_ops": top,
+            "ns_gflop_per_step": ns_flops / 1e9, "with_ns_tflops": with_ns, "with_ns_vs_peak": with_ns / peak["tflops"],
             "loss_first": holder["loss"][0], "loss_last": holder["loss"][-1],
             "settings": {"opt_type": t.opt_type, "use_qk_clip": t.use_qk_clip, "dtype": t.dtype,
                          "weight_dtype": t.weight_dtype, "scan_layers": t.scan_layers,
@@ -150,6 +155,7 @@ def main(argv=None):
           f"({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32, median of {a.repeats}")
     view = [dict(r, shape=f"{r['batch']} x {r['seq']}", params_h=counts.human(r["params"]),
                  step_ms=1e3 * r["step_s"], vs_peak_pct=100 * r["vs_peak"],
+                 with_ns_vs_peak_pct=100 * r["with_ns_vs_peak"],
                  peak_spread_pct=100 * r["cpu_peak_spread"]) for r in rows]
     print_table(view, COLUMNS)
     write_json(a.out, {"benchmark": "train_step", "machine": info, "warmup": a.warmup, "repeats": a.repeats,

@@ -245,6 +245,27 @@ def test_bfloat16_newton_schulz(tiny):
     assert 0.5 < sv.min() and sv.max() < 1.3
 
 
+def test_newton_schulz_flops_match_the_compiled_count(tiny):
+    """The per-step Newton-Schulz FLOPs (benchmarks/train_step.py's optimizer column) are the dots
+    XLA's cost analysis counts for the same leaf (it adds the few elementwise FLOPs), per leaf and
+    summed over the trainable Muon leaves of a model (frozen ones and AdamW runs count none)."""
+    from k3jax.optim.muon import matrix_specs, newton_schulz_flops_per_step, param_labels
+    from k3jax.optim.orthogonalize import MatrixSpec, newton_schulz_flops, orthogonalize
+    spec = MatrixSpec(fan_in=1, fan_out=2)              # no loop axis: XLA counts a loop body once
+    for shape in [(3, 48, 32), (2, 16, 40)]:
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        xla = jax.jit(lambda x: orthogonalize(x, spec)).lower(x).compile().cost_analysis()["flops"]
+        ours = newton_schulz_flops(shape, spec)
+        assert ours <= xla <= 1.06 * ours, (shape, ours, xla)
+    _, _, _, abstract = tiny
+    specs, paths = matrix_specs(abstract), variables_by_path(abstract)
+    labels = param_labels(abstract, load().train)
+    total = newton_schulz_flops_per_step(abstract, load().train)
+    assert total == sum(newton_schulz_flops(paths[p].shape, specs[p]) for p, l in labels.items() if l == "muon") > 0
+    assert newton_schulz_flops_per_step(abstract, load("opt_type=adamw").train) == 0
+    assert 0 < newton_schulz_flops_per_step(abstract, load("freeze=[experts]").train) < total
+
+
 def test_consistent_rms(full_step):
     train, params, _, updates, _ = full_step
     labels = param_labels(params, train)

@@ -48,7 +48,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from k3jax.config import FREEZABLE, ConfigError
 from k3jax.layers.common import is_variable
-from k3jax.optim.orthogonalize import MatrixSpec, scale_by_muon
+from k3jax.optim.orthogonalize import MatrixSpec, newton_schulz_flops, scale_by_muon
 from k3jax.optim.schedule import make_schedule
 
 FREEZE_GROUPS = tuple(sorted(FREEZABLE))   # the config validates `freeze` against the same set
@@ -234,6 +234,16 @@ def param_labels(state, train_cfg) -> dict[Path, str]:
         else:
             out[p] = "adam"
     return out
+
+
+def newton_schulz_flops_per_step(state, train_cfg) -> float:
+    """Matmul FLOPs of Muon's Newton-Schulz iterations in one optimizer step: every trainable Muon
+    leaf of ``state`` (concrete or abstract), whatever the batch size. Not model FLOPs (MFU leaves
+    them out, as MaxText's does); benchmarks/train_step.py prints them beside."""
+    labels = param_labels(state, train_cfg)
+    specs = matrix_specs(state)
+    return sum(newton_schulz_flops(v.shape, specs[p]) for p, v in variables_by_path(state).items()
+               if labels[p] == "muon")
 
 
 # ---- the optimizer -----------------------------------------------------------------------------

@@ -99,6 +99,17 @@ def orthogonalize(x: jax.Array, spec: MatrixSpec, steps: int = NS_STEPS, coeffs=
     return jnp.transpose(y, [perm.index(i) for i in range(x.ndim)])
 
 
+def newton_schulz_flops(shape, spec: MatrixSpec, steps: int = NS_STEPS) -> float:
+    """Matmul FLOPs of ``orthogonalize`` on a leaf of ``shape``: per matrix (short side r, long side
+    c) and step, the Gram matrix (2 r^2 c), its square (2 r^3) and the product with X (2 r^2 c)."""
+    r, c = sorted((shape[spec.fan_in], shape[spec.fan_out]))
+    batch = 1
+    for i, n in enumerate(shape):
+        if i not in (spec.fan_in, spec.fan_out):
+            batch *= n
+    return float(steps * batch * (4 * r * r * c + 2 * r ** 3))
+
+
 def shape_scale(shape, spec: MatrixSpec, consistent_rms: float | None) -> float:
     """Update scale from the matrix shape: sqrt(max(fan_in, fan_out)) * consistent_rms (Moonlight:
     the update RMS matches AdamW's) or, when None, Keller Jordan's sqrt(max(1, fan_out / fan_in))."""
