@@ -104,6 +104,14 @@ def test_user_errors_are_one_line(args, fragment):
     assert "\n" not in str(e.value)
 
 
+def test_other_trainers_names_point_at_real_keys():
+    """Each name in the table leads to a key that exists (a rename must update it) and is not
+    itself a key or a MaxText alias (it would never be looked up)."""
+    keys = set(C.all_keys())
+    assert all(v is None or v in keys for v in C.OTHER_NAMES.values())
+    assert not (set(C.OTHER_NAMES) & (keys | set(C.ALIASES)))
+
+
 def test_unknown_key_inside_model_file(tmp_path):
     p = tmp_path / "bad.yml"
     p.write_text("hiden_size: 3\n")
