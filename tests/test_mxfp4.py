@@ -3,6 +3,7 @@ matmul (interpret mode) against the XLA reference, the model with packed experts
 dense model holding the same decoded weights, expert-parallel decode against one device, the
 config errors, and the kernel's TPU compile (v5p, ahead of time)."""
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -283,7 +284,13 @@ def test_serving_mesh_decode_compiles_for_v5p_with_packed_experts():
             "dtype=bfloat16", "weight_dtype=bfloat16"]
     cfg = C.load_from_argv(args)
     lines = []
-    reports = K.run(cfg, out=lines.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reports = K.run(cfg, out=lines.append)
+        topo, mesh = K.topology_mesh(cfg, "v5p:2x2x1")
+        compiled, _, _ = K.compile_decode(cfg, mesh)       # the same program again
+    # The first compile must not have left a persistent-cache entry this CPU process cannot load.
+    assert not [w for w in caught if "persistent compilation cache" in str(w.message)]
     dec = reports["decode"]
     assert dec["memory"]["fits"] and dec["global_batch"] == 8
     est = dec["estimate"]
@@ -291,8 +298,6 @@ def test_serving_mesh_decode_compiles_for_v5p_with_packed_experts():
     assert est["ici_bytes"]["weight_gather"] == 0          # dense weights are never gathered
     assert est["ici_bytes"]["expert_all_to_all"] > 0 and est["ici_bytes"]["expert_tensor_psum"] > 0
     assert est["ms_per_token"] > 0 and any("ms per token" in ln for ln in lines), lines
-    topo, mesh = K.topology_mesh(cfg, "v5p:2x2x1")
-    compiled, _, _ = K.compile_decode(cfg, mesh)
     assert "mxfp4_gmm" in compiled.as_text()
     k3 = C.load_from_argv(["model_name=kimi-k3", "topology=tpu7x-32", "plan_step=decode"])
     assert [(c["ici_expert_parallelism"], c["ici_tensor_parallelism"]) for c in PL.decode_candidates(k3, 32)] == \

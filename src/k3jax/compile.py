@@ -85,19 +85,22 @@ def compiler_options(cfg) -> dict:
 
 def compile_lowered(lowered, cfg, mesh):
     """``lowered.compile()`` with ``compiler_options``. For a mesh of another platform's virtual
-    devices (a TPU topology compiled from a CPU host) the persistent compilation cache is off for
-    the call: this process has no client that can load such an executable, so an entry would be
-    written (a large one for K3, to ``jax_cache_dir``, perhaps gs://) only to fail on every later
-    read with "PjRtCompiler must be constructed with a Client" and be compiled again."""
+    devices (a TPU topology compiled from a CPU host) nothing is written to the persistent
+    compilation cache: this process has no client that can load such an executable, so an entry
+    (a large one for K3, perhaps in a gs:// ``jax_cache_dir``) would only fail on every later read
+    with "PjRtCompiler must be constructed with a Client" and be compiled again. jax decides once
+    per process whether the cache is on, so the write is skipped through the one setting it reads
+    at every write, the minimum compile time worth caching, raised to infinity for the call."""
     foreign = mesh.devices.flat[0].platform != jax.default_backend()
-    was = jax.config.jax_enable_compilation_cache
+    key = "jax_persistent_cache_min_compile_time_secs"
+    was = getattr(jax.config, key)
     if foreign:
-        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update(key, float("inf"))
     try:
         return lowered.compile(**compiler_options(cfg))
     finally:
         if foreign:
-            jax.config.update("jax_enable_compilation_cache", was)
+            jax.config.update(key, was)
 
 
 def compile_train(cfg, mesh):
