@@ -66,7 +66,7 @@ COLUMNS = [("config", "config", "s"), ("B x T", "shape", "s"), ("params", "param
            ("GFLOP/tok", "train_gflop_per_token", ".4f"), ("step ms", "step_ms", ".1f"),
            ("tokens/s", "tokens_per_s", ".0f"), ("TFLOP/s", "model_tflops", ".4f"),
            ("f32 peak TFLOP/s", "cpu_peak_tflops", ".4f"), ("peak spread %", "peak_spread_pct", ".1f"),
-           ("vs peak %", "vs_peak_pct", ".2f"), ("NS GFLOP/step", "ns_gflop_per_step", ".0f"),
+           ("vs peak %", "vs_peak_pct", ".2f"), ("NS GFLOP/step", "ns_gflop_per_step", ".3g"),
            ("with NS vs peak %", "with_ns_vs_peak_pct", ".2f"),
            ("compile s", "compile_and_first_step_s", ".1f")]
 
