@@ -22,6 +22,7 @@ are those of one layer's slice, not of the whole stack.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -103,10 +104,7 @@ def newton_schulz_flops(shape, spec: MatrixSpec, steps: int = NS_STEPS) -> float
     """Matmul FLOPs of ``orthogonalize`` on a leaf of ``shape``: per matrix (short side r, long side
     c) and step, the Gram matrix (2 r^2 c), its square (2 r^3) and the product with X (2 r^2 c)."""
     r, c = sorted((shape[spec.fan_in], shape[spec.fan_out]))
-    batch = 1
-    for i, n in enumerate(shape):
-        if i not in (spec.fan_in, spec.fan_out):
-            batch *= n
+    batch = math.prod(n for i, n in enumerate(shape) if i not in (spec.fan_in, spec.fan_out))
     return float(steps * batch * (4 * r * r * c + 2 * r ** 3))
 
 
