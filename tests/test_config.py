@@ -82,6 +82,10 @@ def test_types_are_coerced(kv, key, expected):
     (["seq_len=128"], "did you mean 'max_target_length'"),
     (["lr=1e-3"], "did you mean 'learning_rate'"),
     (["resume_from_checkpoint=true"], "resumes by itself from the latest checkpoint"),
+    (["num_beams=4"], "no beam search"),
+    (["tp=4"], "did you mean 'ici_tensor_parallelism'"),
+    # No weak look-alike (difflib at 0.5 answered 'attention_impl'): the list of keys instead.
+    (["repetition_penalty=1.1"], "to list keys"),
     (["steps=abc"], "steps='abc': expected int"),
     (["steps=1.5"], "expected int"),
     (["scan_layers=3"], "expected bool"),
@@ -108,8 +112,9 @@ def test_other_trainers_names_point_at_real_keys():
     """Each name in the table leads to a key that exists (a rename must update it) and is not
     itself a key or a MaxText alias (it would never be looked up)."""
     keys = set(C.all_keys())
-    assert all(v is None or v in keys for v in C.OTHER_NAMES.values())
-    assert not (set(C.OTHER_NAMES) & (keys | set(C.ALIASES)))
+    assert all(v in keys for v in C.OTHER_NAMES.values())
+    assert not ((set(C.OTHER_NAMES) | set(C.NO_KEY)) & (keys | set(C.ALIASES)))
+    assert not set(C.OTHER_NAMES) & set(C.NO_KEY)
 
 
 def test_unknown_key_inside_model_file(tmp_path):

@@ -413,12 +413,12 @@ def format_decode(est: dict, chip: TP.Chip) -> str:
     return (f"decode roofline (analytic, batch {est['batch']}, context {est['context']}): HBM per device "
             f"{gib(sum(h.values()))} (dense weights {gib(h['dense_weights'])}, experts touched "
             f"{100 * est['experts_touched_fraction']:.1f}% = {gib(h['experts'])}, cache {gib(h['cache'])}) at "
-            f"{chip.hbm_bandwidth / 1e9:.0f} GB/s = {1e3 * est['t_memory']:.2f} ms; ICI per device "
+            f"{chip.hbm_bandwidth / 1e9:.0f} GB/s = {1e3 * est['t_memory']:.3g} ms; ICI per device "
             f"{sum(i.values()) / 1e6:.1f} MB (weight gathers {i['weight_gather'] / 1e6:.1f}, expert all-to-all "
             f"{i['expert_all_to_all'] / 1e6:.1f}, expert tensor psum {i['expert_tensor_psum'] / 1e6:.1f}, tensor "
             f"reductions {i['tensor_reductions'] / 1e6:.1f}) at {chip.ici_bandwidth / 1e9:.0f} GB/s = "
-            f"{1e3 * est['t_ici']:.2f} ms; compute {1e3 * est['t_compute']:.3f} ms -> "
-            f"{est['ms_per_token']:.2f} ms per token, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+            f"{1e3 * est['t_ici']:.3g} ms; compute {1e3 * est['t_compute']:.3g} ms -> "
+            f"{est['ms_per_token']:.3g} ms per token, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
 
 
 def gib(x: float) -> str:

@@ -144,7 +144,6 @@ OTHER_NAMES = {
     **dict.fromkeys(("load_checkpoint", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path",
                      "init_checkpoint", "init_from", "pretrained", "pretrained_model_name_or_path"),
                     "load_parameters_path"),
-    **dict.fromkeys(("resume", "resume_from_checkpoint", "restore", "restore_from", "auto_resume"), None),
     **dict.fromkeys(("warmup", "warmup_steps", "warmup_ratio"), "warmup_steps_fraction"),
     **dict.fromkeys(("batch_size", "micro_batch_size", "per_device_train_batch_size", "train_batch_size"),
                     "per_device_batch_size"),
@@ -165,20 +164,38 @@ OTHER_NAMES = {
     **dict.fromkeys(("max_tokens", "max_new_tokens_to_generate", "num_tokens", "gen_len"), "max_new_tokens"),
     **dict.fromkeys(("model", "model_type", "model_config"), "model_name"),
     **dict.fromkeys(("optimizer", "optim"), "opt_type"),
+    **dict.fromkeys(("epochs", "num_epochs", "num_train_epochs", "max_epochs"), "num_epoch"),
+    **dict.fromkeys(("vocab", "vocabulary_size", "n_vocab"), "vocab_size"),
+    **dict.fromkeys(("bf16", "fp16", "precision", "mixed_precision", "compute_dtype"), "dtype"),
+    "do_sample": "sampling",
+    **dict.fromkeys(("tp", "tensor_parallel", "tensor_parallel_size", "tensor_model_parallel_size"),
+                    "ici_tensor_parallelism"),
+    **dict.fromkeys(("ep", "expert_parallel", "expert_parallel_size", "expert_model_parallel_size"),
+                    "ici_expert_parallelism"),
+    **dict.fromkeys(("dp", "data_parallel", "data_parallel_size"), "ici_data_parallelism"),
+    **dict.fromkeys(("fsdp", "fsdp_size"), "ici_fsdp_parallelism"),
 }
 
-
-RESUME_HINT = ("; a run resumes by itself from the latest checkpoint under <base_output_directory>/<run_name> "
+# Names with no k3jax key of their own: the error says what k3jax does instead.
+RESUME_HINT = ("a run resumes by itself from the latest checkpoint under <base_output_directory>/<run_name> "
                "(run the same command again); load_parameters_path= starts a new run from saved parameters")
+NO_KEY = {
+    **dict.fromkeys(("resume", "resume_from_checkpoint", "restore", "restore_from", "auto_resume"), RESUME_HINT),
+    **dict.fromkeys(("num_beams", "beam_size", "num_beam", "beam_width"),
+                    "k3jax has no beam search; it decodes greedily or samples (sampling=greedy|sample, "
+                    "temperature, top_k, top_p)"),
+}
 
 
 def _unknown(key: str, where: str) -> ConfigError:
     low = key.lower()
-    if low in OTHER_NAMES and OTHER_NAMES[low] is None:
-        return ConfigError(f"unknown config key '{key}' ({where}){RESUME_HINT}")
+    if low in NO_KEY:
+        return ConfigError(f"unknown config key '{key}' ({where}); {NO_KEY[low]}")
     near = OTHER_NAMES.get(low)             # tests/test_config.py keeps every target an existing key
     if near is None:
-        close = difflib.get_close_matches(key, all_keys() + list(ALIASES), n=1, cutoff=0.5)
+        # 0.7: typos score 0.8-0.96; below that difflib offered look-alikes such as kda_num_heads for
+        # num_beams or attention_impl for repetition_penalty.
+        close = difflib.get_close_matches(key, all_keys() + list(ALIASES), n=1, cutoff=0.7)
         near = close[0] if close else None
     if near is None:
         hint = "; run `python -m k3jax.config configs/base.yml` to list keys"

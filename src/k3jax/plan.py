@@ -112,7 +112,7 @@ def decode_table(rows: list[dict]) -> str:
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
         lines.append(f"{i:>4}  {r['mesh']:<52} {r['global_batch']:>5} {e['context']:>7} {m['total'] / TP.GiB:>11.2f} "
-                     f"{100 * m['total'] / m['hbm']:>5.1f} {e['ms_per_token']:>8.2f} {e['tokens_per_s_per_chip']:>10.0f}")
+                     f"{100 * m['total'] / m['hbm']:>5.1f} {e['ms_per_token']:>8.3g} {e['tokens_per_s_per_chip']:>10.0f}")
     if ok:
         lines.append("ms/token and tok/s/chip: analytic decode roofline (HBM bytes, collective bytes at ICI bandwidth, "
                      "compute; overlapped; latency of collectives not modelled)")
@@ -195,7 +195,7 @@ def _plan_decode(cfg, topo, devices, out, limit) -> list[dict]:
     for i, cand in enumerate(cands, 1):
         r = evaluate_decode(cfg, devices, topo.chip, cand)
         status = r.get("error") or (f"{r['memory']['total'] / TP.GiB:.1f} GiB/dev, "
-                                    f"{r['estimate']['ms_per_token']:.2f} ms/token")
+                                    f"{r['estimate']['ms_per_token']:.3g} ms/token")
         out(f"[{i}/{len(cands)}] expert={cand['ici_expert_parallelism']} tensor={cand['ici_tensor_parallelism']}: "
             f"{status}")
         rows.append(r)
