@@ -103,6 +103,8 @@ def main(argv=None):
                     choices=["reference", "chunked", "chunked_general", "tokamax"])
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
+    if args.chunk < 16 or args.chunk & (args.chunk - 1):
+        ap.error(f"--chunk must be a power of two >= 16 (the chunked kernels' tile), got {args.chunk}")
     H, D = args.heads, args.dim
     impls = {"reference": _bounded(kda_reference),
              "chunked": _bounded(lambda *a, **kw: kda_chunked(*a, chunk_size=args.chunk,
