@@ -55,7 +55,8 @@ def test_no_silent_fallback_off_tpu():
     fn = get_kda_fn("pallas_tpu", interpret=True, batch_axes=("data",), head_axis=None)
     o, S = jax.jit(fn)(q, q, q, q, jnp.zeros((1, 8, 1)))
     assert o.shape == (1, 8, 1, 16) and S.shape == (1, 1, 16, 16)
-    assert get_kda_fn("chunked", chunk_size=32).keywords == {"chunk_size": 32}
+    assert get_kda_fn("chunked", chunk_size=32).keywords == {"chunk_size": 32, "lower_bound": None}
+    assert get_kda_fn("chunked", lower_bound=-5.0).keywords == {"chunk_size": 64, "lower_bound": -5.0}
     assert get_kda_fn("reference") is KDA_IMPLS["reference"]
 
 

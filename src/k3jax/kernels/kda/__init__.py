@@ -50,8 +50,8 @@ def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batc
 
     `chunk_size` (config `kda_chunk_size`, a power of two >= 16) is bound into the chunked
     implementations ("chunked", "pallas_tpu"); "reference" is token-serial and has no chunks.
-    `lower_bound` (K3's bounded gate, None for an unbounded gate) is bound into "tokamax"; not
-    yet into "chunked" (see there: its bounded relation form lost precision at document resets).
+    `lower_bound` (K3's bounded gate, None for an unbounded gate) is bound into "chunked", whose
+    relation matrices then take the cheaper bounded form (intra.rel_forward_mid), and "tokamax".
 
     `interpret` only concerns "pallas_tpu": True runs its kernels in the Pallas interpreter;
     False requires a TPU target and raises RuntimeError otherwise (never a silent fallback).
@@ -84,10 +84,9 @@ def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batc
         return shard_kda(functools.partial(kda_pallas, chunk_size=chunk_size, interpret=interpret),
                          batch_axes=batch_axes, head_axis=head_axis)
     if name == "chunked":
-        # Not the bounded relation form (kda_chunked's lower_bound) yet: in the tiny K3 model it
-        # moved packed-document logits 2.9e-5 from separate runs (tests/test_model.py allows 2e-5;
-        # the general form stays within it), a precision loss at document resets not yet understood.
-        return functools.partial(kda_chunked, chunk_size=chunk_size)
+        # The bounded gate's lower_bound lets the chunked path use its bounded relation form
+        # (as accurate as the general form against the float64 model reference, docs/kernels.md).
+        return functools.partial(kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound)
     return KDA_IMPLS[name]
 
 
