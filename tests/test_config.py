@@ -99,6 +99,10 @@ def test_types_are_coerced(kv, key, expected):
     (["kda_chunk_size=40"], "power of two >= 16"),
     (["kda_chunk_size=48"], "power of two >= 16"),
     (["kda_chunk_size=8"], "power of two >= 16"),
+    # The bounded gate's bound reaches the chunked core's relation form: a clear error, not a
+    # traceback from inside the trace.
+    (["kda_gate_lower_bound=0"], "must be a finite negative number"),
+    (["kda_gate_lower_bound=nan"], "must be a finite negative number"),
     (["freeze=[wings]"], "unknown ['wings']"),
 ])
 def test_user_errors_are_one_line(args, fragment):

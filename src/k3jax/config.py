@@ -309,6 +309,9 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
             raise ConfigError(f"{name}={v}: must be positive")
     if m.mla_every < 0:
         raise ConfigError(f"mla_every={m.mla_every}: must be >= 0")
+    if m.kda_gate == "bounded" and not -math.inf < m.kda_gate_lower_bound < 0:
+        raise ConfigError(f"kda_gate_lower_bound={m.kda_gate_lower_bound}: the bounded gate lb*sigmoid(...) is a "
+                          "log-decay, so lb must be a finite negative number (K3: -5.0)")
     if t.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={t.per_device_batch_size}: must be positive")
     bad = [l for l in m.mla_extra_layers if not (isinstance(l, int) and 0 <= l < m.num_layers)]
