@@ -260,7 +260,7 @@ def rel_forward_mid(Xs: jax.Array, Y: jax.Array, G, bs: int) -> jax.Array:
     The n stacked row operands share each block's column factors, so they are folded into the
     block's rows ([..., NB, n * bs, D]): one matmul per block with n * bs rows, whose operands and
     result XLA:CPU keeps in place, instead of a product batched over n that it transposed on both
-    sides (~7-10% of the chunked fwd+bwd at T = 8192, docs/kernels.md)."""
+    sides (3-10% of the chunked fwd+bwd at T = 2048-8192, docs/kernels.md)."""
     ex, ey = _mid_factors(G, bs)
     xs = _fold_stack(_blocks(Xs, bs) * ex)                  # [..., NB, n * bs, D]
     ys = Y[..., None, :, :] * ey                            # [..., NB, C, D]
