@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "src"))  # run as a script without installing
 
 from common import write_json  # noqa: E402
-from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked  # noqa: E402
+from k3jax.kernels.kda.chunked import chunked_flops_per_token, kda_chunked, valid_chunk_size  # noqa: E402
 from k3jax.kernels.kda.reference import kda_reference  # noqa: E402
 from k3jax.kernels.kda.tokamax import kda_tokamax  # noqa: E402
 
@@ -103,7 +103,7 @@ def main(argv=None):
                     choices=["reference", "chunked", "chunked_general", "tokamax"])
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    if args.chunk < 16 or args.chunk & (args.chunk - 1):
+    if not valid_chunk_size(args.chunk):
         ap.error(f"--chunk must be a power of two >= 16 (the chunked kernels' tile), got {args.chunk}")
     H, D = args.heads, args.dim
     impls = {"reference": _bounded(kda_reference),

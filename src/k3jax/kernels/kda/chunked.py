@@ -33,6 +33,11 @@ from k3jax.kernels.kda.intra import SUB, IntraOut, intra_backward, intra_forward
 # [NG, B, G * C, H, D] (the scans here; [G, B, H, C, D] inside a step), padding T up to NT * C.
 # ---------------------------------------------------------------------------------------------
 
+def valid_chunk_size(chunk_size: int) -> bool:
+    """A chunk the chunked kernels can split: a power of two, at least one SUB-row relation block."""
+    return chunk_size >= SUB and not chunk_size & (chunk_size - 1)
+
+
 def check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int | None = None):
     """Raise ValueError on inconsistent shapes (shared by all KDA entry points)."""
     if q.ndim != 4:
@@ -49,7 +54,7 @@ def check_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int |
                          f"got {initial_state.shape}")
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got {segment_ids.shape}")
-    if chunk_size is not None and (chunk_size < SUB or chunk_size & (chunk_size - 1)):
+    if chunk_size is not None and not valid_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be a power of two >= {SUB}, got {chunk_size}")
 
 
