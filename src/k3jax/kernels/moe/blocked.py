@@ -144,13 +144,17 @@ def blocked_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.
 
 
 def few_block_rows(num_rows: int, num_groups: int) -> int:
-    """Rows per block of `expert_ffn_blocked`: the largest power of two <= the mean group size
-    (1 when groups average under a row). Few-token steps are bound by reading each block's
-    matrices; larger blocks than the typical group only add padded rows. Measured (D=512, F=256,
-    E=32, top-4; ms per layer, block 1 / 2 / 4 / 8): 8 tokens 6.5 / 7.6 / 11 / 16; 32 tokens
-    24 / 17 / 9.4 / 9.9 (docs/moe.md)."""
+    """Rows per block of `expert_ffn_blocked`: the smallest power of two >= m + 2*sqrt(m), m the
+    mean group size (M/G), so nearly every group fits one block. A loop step costs about one read
+    of its expert's three matrices whatever the block's rows, so a group split over two blocks
+    reads its expert twice; padded rows cost only FLOPs. Greedy decode step of the
+    benchmarks/decode_vs_hf.py model (D=512, F=256, E=32, top-4, 7 MoE layers; one core, the
+    same process alternating; ms, best of 10): 8 tokens (m=1) block 1 / 2 / 4 / 8 / 16: 21.5 /
+    18.0 / 15.5 / 15.2 / 17.3; 32 tokens (m=4) block 4 / 8 / 16 / 32: 38.6 / 34.1 / 33.5 / 38.1;
+    1 token block 1 / 2 / 4: 6.2 / 6.2 / 6.4 (docs/moe.md)."""
+    m = num_rows / max(num_groups, 1)
     b = 1
-    while 2 * b * max(num_groups, 1) <= num_rows:
+    while b < m + 2 * m ** 0.5:
         b *= 2
     return b
 
