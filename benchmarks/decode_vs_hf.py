@@ -10,7 +10,9 @@ same random prompts (--prompt-len tokens) go through
                 token, full = generate of --new-tokens; decode time = full - prefill; at each
                 torch thread count of --hf-threads (default 1: on the shared 2-core host, 2
                 threads ran 21x slower at batch 1), keeping the fastest per batch
-  k3jax         ``k3jax.decode.generate`` (compile excluded): its prefill and decode-loop times
+  k3jax         ``k3jax.decode.generate`` (compile excluded): its prefill and decode-loop times;
+                from the second round on it reuses the programs the first round compiled, so
+                those rounds time warm executions, as transformers' side is after its warm-up
 
 greedy, no stop token; the new tokens must be identical (the script fails otherwise). New tokens/s
 = batch x new tokens / decode time; the ratios are k3jax / transformers. The two stacks run one

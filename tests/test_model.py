@@ -105,13 +105,23 @@ def test_prefill_then_decode_equals_full_forward(tiny):
 def test_greedy_generate_equals_argmax_of_full_forwards(tiny):
     from k3jax.decode import generate
     _, cfg, model = tiny
-    prompt = list(np.random.default_rng(4).integers(0, cfg.model.vocab_size, 7))
-    out, _ = generate(model, [prompt], max_new_tokens=5)
-    seq = list(prompt) + [0] * 5
-    for i in range(5):  # fixed length: causal logits at position 6 + i ignore the zero padding
-        logits = forward(model, jnp.asarray(seq)[None])
-        seq[7 + i] = int(jnp.argmax(logits[0, 6 + i]))
-    assert out[0].tolist() == seq[7:]
+    rng = np.random.default_rng(4)
+
+    def greedy_by_forwards(prompt):
+        seq = list(prompt) + [0] * 5
+        for i in range(5):  # fixed length: causal logits at position 6 + i ignore the zero padding
+            logits = forward(model, jnp.asarray(seq)[None])
+            seq[7 + i] = int(jnp.argmax(logits[0, 6 + i]))
+        return seq[7:]
+
+    for call in range(2):
+        # The second call has the same shapes: it reuses the first call's compiled programs on a
+        # new prompt, and must still be right.
+        prompt = list(rng.integers(0, cfg.model.vocab_size, 7))
+        out, timing = generate(model, [prompt], max_new_tokens=5)
+        assert (timing["compile_s"] == 0) == (call == 1), timing
+        assert out[0].tolist() == greedy_by_forwards(prompt)
+    assert generate(model, [prompt], max_new_tokens=4)[1]["compile_s"] > 0    # another program
 
 
 def test_mixed_length_batch_equals_each_alone(tiny):

@@ -10,8 +10,10 @@ streamed to the host with an ordered debug callback.
 from __future__ import annotations
 
 import codecs
+import collections
 import functools
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -56,10 +58,26 @@ def prefill(model, tokens, segment_ids, start, total_len: int):
     return logits, cache
 
 
+# Compiled (prefill, decode loop) pairs per model object, most recent last: a later generate() with
+# the same shapes, sampling settings, callback and mesh runs them again instead of compiling (a
+# compile is seconds on CPU, minutes for a large model). Weak keys: a dropped model drops its programs.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROGRAMS_PER_MODEL = 8
+
+
+def _programs(model) -> collections.OrderedDict:
+    return _PROGRAMS.setdefault(model, collections.OrderedDict())
+
+
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
              temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0):
     """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict). Call it
-    under ``jax.set_mesh(mesh)`` for a sharded model."""
+    under ``jax.set_mesh(mesh)`` for a sharded model.
+
+    The timing dict: prefill and decode-loop seconds and tokens/s (compilation excluded), and
+    ``compile_s``, the seconds this call spent compiling: 0 when an earlier call on the same model
+    object had the same batch, padded prompt length, ``max_new_tokens``, sampling settings, stop ids,
+    ``on_tokens`` and mesh (its programs are kept, the last ``PROGRAMS_PER_MODEL`` per model)."""
     # Under a context mesh the prompt and the cache split into equal slices, each holding at least
     # the short conv's halo (kda_conv_size - 1 tokens).
     cp = context_size()
@@ -97,13 +115,39 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
         return jax.lax.while_loop(cond, body, init)["out"]
 
     args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start))
-    pre = run_prefill.lower(*args).compile()
+    key = jax.random.key(seed)
+    # Everything the two programs depend on besides argument values; the graph definition (not
+    # hashable) is compared on a hit, so a model whose structure or config changed recompiles.
+    spec = (b, p, total, max_new_tokens, greedy, temperature, top_k, top_p, tuple(stop_ids), on_tokens,
+            jax.sharding.get_abstract_mesh(),
+            tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in jax.tree.leaves(state)))
+    try:
+        hash(spec)
+    except TypeError:   # an unhashable on_tokens callable: compile for this call only
+        spec = None
+    cache_ = _programs(model) if spec is not None else {}
+    hit = cache_.get(spec)
+    t_compile = 0.0
+    if hit is not None and hit[0] == gdef:
+        cache_.move_to_end(spec)
+        pre, dec = hit[1], hit[2]
+    else:
+        t0 = time.perf_counter()
+        pre = run_prefill.lower(*args).compile()
+        t_compile += time.perf_counter() - t0
+        dec = None
     sync_processes("compiled the prefill")
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(pre(*args))
     t_prefill = time.perf_counter() - t0
-    key = jax.random.key(seed)
-    dec = run_decode.lower(state, logits, cache, args[3], key).compile()
+    if dec is None:
+        t0 = time.perf_counter()
+        dec = run_decode.lower(state, logits, cache, args[3], key).compile()
+        t_compile += time.perf_counter() - t0
+        if spec is not None:
+            cache_[spec] = (gdef, pre, dec)
+            while len(cache_) > PROGRAMS_PER_MODEL:
+                cache_.popitem(last=False)
     sync_processes("compiled the decode loop")
     t0 = time.perf_counter()
     out = jax.block_until_ready(dec(state, logits, cache, args[3], key))
@@ -114,7 +158,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
     t_decode = time.perf_counter() - t0
     n_new = int((out >= 0).sum())
     timing = {"prefill_tokens_per_s": int((seg > 0).sum()) / t_prefill, "decode_tokens_per_s": n_new / t_decode,
-              "prefill_s": t_prefill, "decode_s": t_decode, "new_tokens": n_new}
+              "prefill_s": t_prefill, "decode_s": t_decode, "new_tokens": n_new, "compile_s": t_compile}
     return out, timing
 
 
