@@ -6,8 +6,9 @@ torch CPU + transformers, never imported by k3jax).
         saved as float32 safetensors + config.json in OUT_DIR
     /work/venv-golden/bin/python benchmarks/hf_decode_side.py time OUT_DIR PROMPTS.json RESULT.json
         greedy generate() of each batch of prompts, eager attention and experts: new tokens and
-        timings (prefill = generate(max_new_tokens=1), full = generate(max_new_tokens=N)), at
-        each torch thread count the spec lists, keeping the fastest
+        timings (prefill = generate(max_new_tokens=1); full = generate(max_new_tokens=N), and
+        inside it the N - 1 decode steps from the first new token to the last, noted by a
+        streamer), at each torch thread count the spec lists, keeping the fastest
 
 The weights are random at scales that keep logits O(1..10) (as scripts/make_goldens.py does), so
 greedy tokens are decided by clear margins and the two stacks can be compared token for token.
@@ -23,6 +24,7 @@ sys.modules.setdefault("fla", None)   # never bind fla's triton kernels on a CPU
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 IMPL = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
@@ -60,12 +62,32 @@ def make(out: Path) -> None:
     model.save_pretrained(out, save_original_format=False)
 
 
+class Clock(BaseStreamer):
+    """A streamer that only notes when generate() hands it tokens: the prompt first, then each new
+    token as soon as it is chosen (the prefill's, then one per decode forward)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 @torch.no_grad()
-def timed(model, ids, new: int) -> tuple[float, torch.Tensor]:
+def timed(model, ids, new: int) -> tuple[float, torch.Tensor, float]:
+    """-> (seconds of the whole generate, new tokens, seconds from the first new token to the last:
+    the new - 1 decode steps, timed inside this one call)."""
+    clock = Clock()
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return time.perf_counter() - t0, out[:, ids.shape[1]:]
+                         min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+    total = time.perf_counter() - t0
+    if len(clock.times) != new + 1:
+        raise RuntimeError(f"expected the prompt and {new} tokens streamed, got {len(clock.times)} calls")
+    return total, out[:, ids.shape[1]:], clock.times[-1] - clock.times[1]
 
 
 def time_all(out: Path, prompts_file: Path, result: Path) -> None:
@@ -82,10 +104,11 @@ def time_all(out: Path, prompts_file: Path, result: Path) -> None:
             torch.set_num_threads(threads)
             timed(model, ids[:, :8], 2)                            # warm-up (allocator, threads)
             t_pre = min(timed(model, ids, 1)[0] for _ in range(2))
-            t_all, toks = timed(model, ids, new)
-            tries.append({"threads": threads, "prefill_s": t_pre, "generate_s": t_all, "tokens": toks.tolist()})
+            t_all, toks, t_dec = timed(model, ids, new)
+            tries.append({"threads": threads, "prefill_s": t_pre, "generate_s": t_all, "decode_s": t_dec,
+                          "tokens": toks.tolist()})
             print(f"transformers batch {ids.shape[0]}, {threads} threads: prefill {t_pre:.3f} s, generate "
-                  f"{t_all:.2f} s", file=sys.stderr, flush=True)
+                  f"{t_all:.2f} s, of which {new - 1} decode steps {t_dec:.2f} s", file=sys.stderr, flush=True)
         best = min(tries, key=lambda r: r["generate_s"])
         rows.append({"batch": ids.shape[0], **best, "same_tokens_every_thread_count":
                      all(r["tokens"] == best["tokens"] for r in tries),
