@@ -219,7 +219,7 @@ def test_few_token_path_rule():
     assert few_token_path(512, 8, 16, 0, impl="blocked") is None
     assert few_token_path(512, 8, 16, 64) is None                      # ragged_dot: the rule is blocked's
     # The loop's block fits the typical group (m + 2 sqrt(m) rows, m = N*k/E), not the mean: an
-    # expert split over two blocks is read twice. 1 / 8 / 32 tokens x top-4 over 32 experts.
+    # expert split over two blocks is read twice. 1 / 8 / 16 / 32 tokens x top-4 over 32 experts.
     from k3jax.kernels.moe.blocked import few_block_rows
     assert [few_block_rows(n * 4, 32) for n in (1, 8, 16, 32)] == [1, 4, 8, 8]
 

@@ -149,7 +149,7 @@ def few_block_rows(num_rows: int, num_groups: int) -> int:
     of its expert's three matrices whatever the block's rows, so a group split over two blocks
     reads its expert twice; padded rows cost only FLOPs. Greedy decode step of the
     benchmarks/decode_vs_hf.py model (D=512, F=256, E=32, top-4, 7 MoE layers; one core, the
-    same process alternating; ms, best of 10): 8 tokens (m=1) block 1 / 2 / 4 / 8 / 16: 21.5 /
+    same process alternating; ms, best of 8-10): 8 tokens (m=1) block 1 / 2 / 4 / 8 / 16: 21.5 /
     18.0 / 15.5 / 15.2 / 17.3; 32 tokens (m=4) block 4 / 8 / 16 / 32: 38.6 / 34.1 / 33.5 / 38.1;
     1 token block 1 / 2 / 4: 6.2 / 6.2 / 6.4 (docs/moe.md)."""
     m = num_rows / max(num_groups, 1)
