@@ -162,7 +162,10 @@ def main(argv=None):
 
     def get(name):
         if name not in models:
-            cfg = load(name, longest, a.set)
+            try:
+                cfg = load(name, longest, a.set)
+            except C.ConfigError as e:
+                raise SystemExit(f"error: {name}: {e}") from None
             mesh = make_mesh(cfg, devices=jax.devices()[:1])
             gdef, state, _ = init_state(cfg, mesh)
             models[name] = (cfg, mesh, nnx.merge(gdef, state["params"], state["rest"]))

@@ -97,8 +97,11 @@ def main(argv=None):
         os.sched_setaffinity(0, ALL_CORES[:a.cores])
     os.makedirs(a.work, exist_ok=True)
     ckpt = prepare(a.work, a.hf_python)
-    cfg = C.load(overrides=[f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}", "dtype=float32",
-                            "weight_dtype=float32", *a.set])
+    try:
+        cfg = C.load(overrides=[f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}", "dtype=float32",
+                                "weight_dtype=float32", *a.set])
+    except C.ConfigError as e:
+        raise SystemExit(f"error: --set: {e}") from None
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(3, cfg.model.vocab_size, (b, a.prompt_len)).tolist() for b in a.batch}
 
