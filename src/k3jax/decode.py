@@ -65,10 +65,6 @@ _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PROGRAMS_PER_MODEL = 8
 
 
-def _programs(model) -> collections.OrderedDict:
-    return _PROGRAMS.setdefault(model, collections.OrderedDict())
-
-
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
              temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0):
     """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict). Call it
@@ -125,12 +121,12 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
         hash(spec)
     except TypeError:   # an unhashable on_tokens callable: compile for this call only
         spec = None
-    cache_ = _programs(model) if spec is not None else {}
-    hit = cache_.get(spec)
+    programs = _PROGRAMS.setdefault(model, collections.OrderedDict())
+    hit = programs.get(spec) if spec is not None else None
     t_compile = 0.0
     if hit is not None and hit[0] == gdef:
-        cache_.move_to_end(spec)
-        pre, dec = hit[1], hit[2]
+        programs.move_to_end(spec)
+        _, pre, dec = hit
     else:
         t0 = time.perf_counter()
         pre = run_prefill.lower(*args).compile()
@@ -145,9 +141,9 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
         dec = run_decode.lower(state, logits, cache, args[3], key).compile()
         t_compile += time.perf_counter() - t0
         if spec is not None:
-            cache_[spec] = (gdef, pre, dec)
-            while len(cache_) > PROGRAMS_PER_MODEL:
-                cache_.popitem(last=False)
+            programs[spec] = (gdef, pre, dec)
+            while len(programs) > PROGRAMS_PER_MODEL:
+                programs.popitem(last=False)
     sync_processes("compiled the decode loop")
     t0 = time.perf_counter()
     out = jax.block_until_ready(dec(state, logits, cache, args[3], key))
