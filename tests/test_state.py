@@ -65,6 +65,29 @@ def test_restore_needs_router_biases(tiny, tmp_path, capsys):
         np.testing.assert_array_equal(a, b)
 
 
+def test_params_of_the_other_layer_layout_name_scan_layers(tiny, tmp_path):
+    """A checkpoint saved with the other scan_layers setting misses every layer's keys; the error
+    names the setting to load it with (each way); another layer count is named as such."""
+    from k3jax.checkpoint import load_params
+    cfg, mesh, (_, state, _) = tiny
+    unrolled = load("scan_layers=false")
+    _, flat, _ = init_state(unrolled, mesh)
+    _save(tmp_path / "scanned" / "params", state["params"])
+    _save(tmp_path / "unrolled" / "params", flat["params"])
+    want_flat = abstract_state(unrolled, mesh)[1]["params"]
+    want_scan = abstract_state(cfg, mesh)[1]["params"]
+    with pytest.raises(CheckpointError, match=r"13 layers are scanned \('periods/...'\).* scan_layers=true"):
+        load_params(tmp_path / "scanned", want_flat)
+    with pytest.raises(CheckpointError, match="13 layers are unrolled.*load it with scan_layers=false"):
+        load_params(tmp_path / "unrolled", want_scan)
+    other = abstract_state(load("num_layers=9", "mla_extra_layers=[]"), mesh)[1]["params"]
+    with pytest.raises(CheckpointError, match=r"\); the checkpoint has 13 decoder layers and this model 9: check"):
+        load_params(tmp_path / "unrolled", other)
+    got = load_params(tmp_path / "unrolled", want_flat)     # the matching layout loads
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(flat["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_load_parameters_casts_to_weight_dtype_with_one_notice(tmp_path, capsys):
     """bfloat16 weights read into a float32 model: cast, and said once with both dtypes."""
     import jax.numpy as jnp

@@ -286,12 +286,40 @@ def _check_compatible(meta, abstract, where):
     if missing or extra:
         raise CheckpointError(f"{where}: parameter tree does not match the model config "
                               f"(missing {len(missing)}: {missing[:4]}; unexpected {len(extra)}: {extra[:4]}); "
-                              f"check model_name")
+                              f"{_layout_hint(want, have)}")
     for k, a in want.items():
         shape = tuple(getattr(have[k], "shape", ()))
         if shape != tuple(a.shape):
             raise CheckpointError(f"{where}: {k} has shape {shape} in the checkpoint but {tuple(a.shape)} in the "
                                   f"model; check model_name")
+
+
+def _layer_count(flat) -> int | None:
+    """Decoder layers in a flat parameter tree: unrolled ``prefix/<i>`` and ``tail/<i>`` layers plus,
+    for a scanned period ``periods/layers/<j>``, its positions times the stacked period count (the
+    leading dimension of its leaves). None when a period leaf has no shape to read."""
+    unrolled = {tuple(k.split("/")[:2]) for k in flat if k.startswith(("prefix/", "tail/"))}
+    period = {k.split("/")[2] for k in flat if k.startswith("periods/layers/")}
+    if not period:
+        return len(unrolled)
+    stack = next(tuple(getattr(v, "shape", ())) for k, v in flat.items() if k.startswith("periods/layers/"))
+    return len(unrolled) + len(period) * stack[0] if stack else None
+
+
+def _layout_hint(want, have) -> str:
+    """What to check for a key mismatch. Scanned layers live under ``periods/`` (stacked), unrolled
+    ones under ``prefix/<layer>``, so a checkpoint saved with the other ``scan_layers`` setting
+    misses every layer's keys; with the same number of layers on both sides that is the likelier
+    cause, with another number the model settings are."""
+    scanned = [any(k.startswith("periods/") for k in keys) for keys in (want, have)]
+    n_want, n_have = _layer_count(want), _layer_count(have)
+    if scanned[0] != scanned[1] and n_want == n_have:
+        saved = "scanned ('periods/...')" if scanned[1] else "unrolled"
+        return (f"the checkpoint's {n_have} layers are {saved} and this model's are not: load it with "
+                f"scan_layers={str(scanned[1]).lower()} (as it was saved), or check model_name")
+    if None not in (n_want, n_have) and n_want != n_have:
+        return f"the checkpoint has {n_have} decoder layers and this model {n_want}: check model_name / num_layers"
+    return "check model_name"
 
 
 def packed_experts_dir(path: str | Path) -> Path | None:
