@@ -86,6 +86,15 @@ def test_params_of_the_other_layer_layout_name_scan_layers(tiny, tmp_path):
     got = load_params(tmp_path / "unrolled", want_flat)     # the matching layout loads
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(flat["params"])):
         np.testing.assert_array_equal(a, b)
+    # A run resumed with the other setting: the same short error, not orbax's tree dump.
+    from k3jax.checkpoint import Checkpointer
+    ck = Checkpointer(tmp_path / "run", async_save=False, with_data=False)
+    ck.save(1, state["params"], state["opt_state"], state["rest"])
+    ck.wait()
+    abstract = abstract_state(unrolled, mesh, optimizer=True)[1]
+    with pytest.raises(CheckpointError, match=r"cannot restore step 1: .*13 layers are scanned .* scan_layers=true"):
+        ck.restore(1, abstract["params"], abstract["opt_state"], abstract["rest"])
+    ck.close()
 
 
 def test_load_parameters_casts_to_weight_dtype_with_one_notice(tmp_path, capsys):

@@ -146,8 +146,23 @@ class Checkpointer:
         try:
             r = self.mngr.restore(step, args=ocp.args.Composite(**args))
         except (ValueError, KeyError, FileNotFoundError) as e:
+            self._explain_params_mismatch(step, abstract_params, e)
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
         return r["params"], r["opt_state"], r["extra"], data_restored
+
+    def _explain_params_mismatch(self, step: int, abstract_params, cause):
+        """After a failed restore: when the step's parameter tree differs from the model's, raise
+        the short error that names the cause (another scan_layers setting, another layer count)
+        instead of orbax's tree-structure dump. Read only on failure: a resume reads nothing extra."""
+        d = self.directory / str(step) / "params"
+        try:
+            meta = _item_metadata(ocp.StandardCheckpointer(), d)
+        except CheckpointError:     # unreadable: orbax's own error follows
+            return
+        try:
+            _check_compatible(getattr(meta, "item_metadata", meta), abstract_params, d)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot restore step {step}: {e}") from cause
 
     def saving(self) -> bool:
         """True while an async save is still being written."""
