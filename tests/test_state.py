@@ -68,7 +68,7 @@ def test_restore_needs_router_biases(tiny, tmp_path, capsys):
 def test_params_of_the_other_layer_layout_name_scan_layers(tiny, tmp_path):
     """A checkpoint saved with the other scan_layers setting misses every layer's keys; the error
     names the setting to load it with (each way); another layer count is named as such."""
-    from k3jax.checkpoint import load_params
+    from k3jax.checkpoint import Checkpointer, load_params
     cfg, mesh, (_, state, _) = tiny
     unrolled = load("scan_layers=false")
     _, flat, _ = init_state(unrolled, mesh)
@@ -87,7 +87,6 @@ def test_params_of_the_other_layer_layout_name_scan_layers(tiny, tmp_path):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(flat["params"])):
         np.testing.assert_array_equal(a, b)
     # A run resumed with the other setting: the same short error, not orbax's tree dump.
-    from k3jax.checkpoint import Checkpointer
     ck = Checkpointer(tmp_path / "run", async_save=False, with_data=False)
     ck.save(1, state["params"], state["opt_state"], state["rest"])
     ck.wait()
