@@ -118,6 +118,56 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The MoonViT3d vision tower and projector (docs/vision.md). Defaults: a tiny tower, off."""
+    vision_enabled: bool = _f(False, "build the vision tower and projector (Kimi K2.5 / K3 VL); false = text-only")
+    vision_patch_size: int = _f(14, "square patch side p in pixels (one patch = 3*p*p inputs)")
+    vision_merge_kernel_size: int = _f(2, "side k of the k x k patch merge (sd2_tpool): k*k patches form one text token")
+    vision_hidden_size: int = _f(32, "tower width D (K2.5: 1152, K3: 1024)")
+    vision_num_layers: int = _f(2, "tower blocks (27)")
+    vision_num_heads: int = _f(2, "attention heads H (K2.5: 16, K3: 12)")
+    vision_head_dim: int = _f(16, "per-head dim Dh, a multiple of 4 (K2.5: 72, K3: 128); qkv width H*Dh may differ from D")
+    vision_mlp_dim: int = _f(64, "MLP width (K2.5: 4304, K3: 4096)")
+    vision_mlp_activation: str = _f("gelu_tanh", "MLP activation: gelu_tanh (both) | gelu (erf)", ("gelu_tanh", "gelu"))
+    vision_norm: str = _f("layernorm", "block and final norms: layernorm with bias (K2.5) | rmsnorm, weight only (K3)",
+                          ("layernorm", "rmsnorm"))
+    vision_norm_eps: float = _f(1e-5, "eps of the tower norms (K2.5: 1e-5; K3: 1.1920929e-7, fp32 machine eps)")
+    vision_patch_bias: bool = _f(True, "bias of the patch-embedding projection (K2.5: true, K3: false)")
+    vision_attn_bias: bool = _f(True, "biases of wqkv and wo (K2.5: true, K3: false)")
+    vision_mlp_bias: bool = _f(True, "biases of fc0 and fc1 (K2.5: true, K3: false)")
+    vision_pos_emb_height: int = _f(8, "rows of the learned spatial position table (released: 64)")
+    vision_pos_emb_width: int = _f(8, "columns of the learned spatial position table (released: 64)")
+    vision_pos_emb_time: int = _f(4, "most frames per media item (t); t > 1 adds the fixed sin-cos temporal term")
+    vision_pos_interp: str = _f("bicubic", "resampling of the position table to each grid, align_corners=False, no "
+                                "antialias: bicubic (Keys a=-0.75, K2.5) | bilinear (K3)", ("bicubic", "bilinear"))
+    vision_rope_theta: float = _f(10000.0, "base of the 2-D RoPE (interleaved pairs: even pairs by column, odd by row)")
+    vision_merge: str = _f("sd2_tpool", "patch merge: sd2_tpool (k x k spatial groups, mean over frames)", ("sd2_tpool",))
+    vision_projector: str = _f("patchmerger", "projector: patchmerger (K2.5: LayerNorm per sub-patch, Linear+b, GELU, "
+                               "Linear+b) | patchmergerv2 (K3: Linear, GELU, Linear, no biases, RMSNorm after)",
+                               ("patchmerger", "patchmergerv2"))
+    vision_projector_hidden_size: Optional[int] = _f(None, "projector hidden width; null = its input width k*k*D (both releases)")
+    vision_projector_eps: float = _f(1e-5, "eps of the projector's pre-norm (patchmerger) or post-norm (patchmergerv2)")
+    vision_attention_impl: str = _f("blocked", "tower attention within each media item: blocked (query blocks against "
+                                    "all keys with a segment-id mask, O(block x N) memory, any platform) | splash (TPU "
+                                    "splash attention with segment ids)", ("blocked", "splash"))
+    vision_attention_block: int = _f(512, "blocked: query rows per block")
+
+    @property
+    def qkv_width(self) -> int:
+        """Width of q, k and v each (H * Dh); K3's 1536 differs from its D of 1024."""
+        return self.vision_num_heads * self.vision_head_dim
+
+    @property
+    def merged_width(self) -> int:
+        """Projector input width: the k*k merged sub-patch vectors concatenated."""
+        return self.vision_merge_kernel_size ** 2 * self.vision_hidden_size
+
+    @property
+    def projector_hidden(self) -> int:
+        return self.vision_projector_hidden_size or self.merged_width
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu | tokamax (tokamax's KDA with the bounded "
                        "gate fused in: its Mosaic kernels when the platform is TPU, its xla_chunked path elsewhere; needs "
@@ -287,6 +337,9 @@ class ServeConfig:
     serve_max_queue: int = _f(64, "serve: requests waiting for a slot; more get HTTP 429")
     serve_prefill_chunk: int = _f(256, "serve: prompt tokens prefilled per step between decode steps (compiled chunk sizes: powers of two from 32 up to it)")
     serve_api_key: Optional[str] = _f(None, "serve: bearer token every /v1 request must carry; null = no key")
+    serve_decode_buckets: list = _f([], "serve: decode batch sizes compiled at start; each step runs the smallest that holds the generating slots; [] = powers of two up to serve_max_batch, and it")
+    serve_prefix_block: int = _f(0, "serve: prefix cache block in tokens (MLA rows kept per block); a multiple of serve_prefill_chunk; 0 = serve_prefill_chunk")
+    serve_prefix_cache_bytes: int = _f(1 << 30, "serve: bytes of cached prompt prefixes (MLA blocks + KDA snapshots), LRU-evicted; 0 = off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +367,7 @@ class CompileConfig:
                         "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
 
 
-SECTIONS = {"model": ModelConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
+SECTIONS = {"model": ModelConfig, "vision": VisionConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
             "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "serve": ServeConfig,
             "check": CheckConfig, "compile": CompileConfig}
 TOP_LEVEL = ("model_name",)
@@ -324,6 +377,7 @@ TOP_LEVEL = ("model_name",)
 class Config:
     model_name: str
     model: ModelConfig
+    vision: VisionConfig
     kernel: KernelConfig
     train: TrainConfig
     data: DataConfig

@@ -84,6 +84,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
     _validate_eval_and_sft(cfg)
     _validate_data(cfg.data)
+    _validate_vision(cfg, platform)
     _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
     _validate_processes(cfg)
     _validate_path_schemes(cfg)
@@ -134,6 +135,32 @@ def _validate_tokamax_kda(cfg: Config) -> None:
     if ici["context"] != 1 or dcn["context"] != 1:
         raise ConfigError("kda_impl=tokamax does not run under context parallelism here; use kda_impl=chunked or "
                           "pallas_tpu, or ici_/dcn_context_parallelism=1")
+
+
+def _validate_vision(cfg: Config, platform: str | None) -> None:
+    """The vision tower's shapes (docs/vision.md), checked only with vision_enabled=true."""
+    v = cfg.vision
+    if not v.vision_enabled:
+        return
+    for name in ("vision_patch_size", "vision_merge_kernel_size", "vision_hidden_size", "vision_num_layers",
+                 "vision_num_heads", "vision_head_dim", "vision_mlp_dim", "vision_pos_emb_height",
+                 "vision_pos_emb_width", "vision_pos_emb_time", "vision_attention_block"):
+        if getattr(v, name) <= 0:
+            raise ConfigError(f"{name}={getattr(v, name)}: must be positive")
+    if v.vision_projector_hidden_size is not None and v.vision_projector_hidden_size <= 0:
+        raise ConfigError(f"vision_projector_hidden_size={v.vision_projector_hidden_size}: must be positive (or null)")
+    if v.vision_head_dim % 4:
+        raise ConfigError(f"vision_head_dim={v.vision_head_dim}: must be a multiple of 4 (the 2-D RoPE rotates "
+                          "Dh/2 pairs, alternately by column and row)")
+    if v.vision_pos_emb_time > 1 and v.vision_hidden_size % 2:
+        raise ConfigError(f"vision_hidden_size={v.vision_hidden_size}: must be even when vision_pos_emb_time > 1 "
+                          "(the temporal term is a sin half and a cos half)")
+    for name in ("vision_norm_eps", "vision_projector_eps"):
+        if not getattr(v, name) > 0:
+            raise ConfigError(f"{name}={getattr(v, name)}: must be positive")
+    if platform not in (None, "tpu") and v.vision_attention_impl == "splash" and not cfg.kernel.pallas_interpret:
+        raise ConfigError(f"vision_attention_impl=splash compiles TPU kernels but the devices here are {platform}; "
+                          "use vision_attention_impl=blocked (or pallas_interpret=true)")
 
 
 def _validate_decode(d) -> None:
