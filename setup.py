@@ -31,6 +31,7 @@ setup(
         "fastapi>=0.165.0",    # k3jax.serve: the OpenAI-compatible HTTP API
         "uvicorn>=0.54.0",     # k3jax.serve: the ASGI server
         "prometheus-client>=0.26.0",  # k3jax.serve: /metrics
+        "Pillow>=11.0",        # k3jax.data.vision_processor: image decode and bicubic resize
     ],
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.

@@ -151,6 +151,18 @@ class VisionConfig:
                                     "all keys with a segment-id mask, O(block x N) memory, any platform) | splash (TPU "
                                     "splash attention with segment ids)", ("blocked", "splash"))
     vision_attention_block: int = _f(512, "blocked: query rows per block")
+    # Host-side processor (k3jax.data.vision_processor; docs/vision.md §1). Defaults: K3's media_proc_cfg.
+    vision_in_patch_limit: int = _f(65536, "patch budget of one image before padding (K3: 65536, K2.5: 16384)")
+    vision_side_limit: int = _f(512, "most patches on one side of an image")
+    vision_transparent_bg: str = _f("chessboard", "under transparent pixels: chessboard (K3: 8-px white/180 squares, "
+                                    "after the resize) | none (K2.5: alpha dropped)", ("chessboard", "none"))
+    vision_image_prompt_size: bool = _f(True, "image prompt names the size: 'image {W}x{H}' (K3) or 'image' (K2.5)")
+    vision_video: bool = _f(False, "accept video (K2.5: frames in chunks of 4 with timestamps); K3 is image-only")
+    vision_frame_patch_limit: int = _f(4096, "video: patch budget of one frame (K2.5: 4096)")
+    vision_sample_fps: float = _f(2.0, "video: frames kept per second (at most the source's)")
+    vision_max_images: int = _f(16, "most images + videos in one example or request; more is an error (0 = no limit)")
+    vision_patch_buckets: list = _f([], "packed patch counts the tower compiles for (each step pads to the smallest "
+                                    "that holds its patches); [] = powers of two from 256")
 
     @property
     def qkv_width(self) -> int:
