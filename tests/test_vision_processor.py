@@ -246,6 +246,10 @@ def test_unreadable_missing_and_truncated_files(tmp_path):
     with pytest.raises(vp.VisionInputError, match=r"nope\.jpg: image file not found"):
         vp.load_image(tmp_path / "nope.jpg")
     assert vp.load_image(buf.getvalue()).size == (64, 64)
+    with pytest.raises(vp.VisionInputError, match=r"bad\.png: unreadable image"):
+        vp.process_image(bad)                    # a path goes through load_image
+    with pytest.raises(vp.VisionInputError, match="image of mode La: cannot resize or convert it to RGB"):
+        vp.process_image(Image.new("La", (4, 4)))
 
 
 def test_processor_from_config():

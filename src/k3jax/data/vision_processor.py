@@ -69,7 +69,8 @@ class ProcessorConfig:
     video: bool = False                  # K2.5 video chunks; K3's processor is image-only
     frame_patch_limit: int = 4096        # patch budget of one video frame
     sample_fps: float = 2.0              # video frames kept per second (at most the source fps)
-    frames_per_chunk: int = 4            # consecutive sampled frames per media item (t <= 4)
+    frames_per_chunk: int = 4            # sampled frames per media item (K2.5's temporal_merge_kernel_size,
+                                         # = the tower's vision_pos_emb_time, the most frames it takes)
     max_images: int = 16                 # images + videos per example / request (0 = no limit)
     patch_buckets: tuple = ()            # packed patch counts; () = powers of two >= min_bucket
     min_bucket: int = 256
@@ -107,7 +108,7 @@ def from_config(cfg: Any) -> ProcessorConfig:
         in_patch_limit=v.vision_in_patch_limit, side_limit=v.vision_side_limit,
         transparent_bg=v.vision_transparent_bg, image_prompt_size=v.vision_image_prompt_size,
         video=v.vision_video, frame_patch_limit=v.vision_frame_patch_limit,
-        sample_fps=v.vision_sample_fps, max_images=v.vision_max_images,
+        sample_fps=v.vision_sample_fps, frames_per_chunk=v.vision_pos_emb_time, max_images=v.vision_max_images,
         patch_buckets=tuple(v.vision_patch_buckets))
 
 
@@ -226,14 +227,19 @@ def image_prompt_prefix(width: int, height: int, pcfg: ProcessorConfig) -> str:
     return f"{MEDIA_BEGIN}image{size}{MEDIA_CONTENT}"
 
 
-def process_image(img: Image.Image, pcfg: ProcessorConfig = K3,
+def process_image(img, pcfg: ProcessorConfig = K3,
                   prompt_size: tuple[int, int] | None = None) -> MediaItem:
-    """One image -> MediaItem (vision.md 1.1-1.2). ``prompt_size`` is the (W, H) the K3 prompt
-    names when the caller knows an original upload size the image no longer has (vision.md 7);
-    by default the image's own size."""
+    """One image (a PIL image, or a path / bytes for ``load_image``) -> MediaItem (vision.md
+    1.1-1.2). ``prompt_size`` is the (W, H) the K3 prompt names when the caller knows an original
+    upload size the image no longer has (vision.md 7); by default the image's own size."""
+    if not isinstance(img, Image.Image):
+        img = load_image(img)
     w, h = img.size
     plan = resize_plan(w, h, pcfg)
-    frame = _resized_frame(img, plan, pcfg)
+    try:
+        frame = _resized_frame(img, plan, pcfg)
+    except (ValueError, OSError) as e:
+        raise VisionInputError(f"image of mode {img.mode}: cannot resize or convert it to RGB ({e})") from None
     pw, ph = prompt_size or (w, h)
     return MediaItem(patchify(frame[None], pcfg), (1, plan.grid_h, plan.grid_w), plan.tokens,
                      image_prompt_prefix(pw, ph, pcfg))
@@ -276,7 +282,8 @@ def process_video(frames, fps: float, pcfg: ProcessorConfig = K25) -> list[Media
     images = [_frame_image(frames[i]) for i in idx]
     size = images[0].size
     if any(im.size != size for im in images):
-        raise VisionInputError(f"video frames differ in size ({sorted({im.size for im in images})}); one size per video")
+        raise VisionInputError(f"video frames differ in size ({sorted({im.size for im in images})}); "
+                               "one size per video")
     plan = resize_plan(size[0], size[1], pcfg, patch_limit=pcfg.frame_patch_limit)
     k = pcfg.frames_per_chunk
     chunks = []
