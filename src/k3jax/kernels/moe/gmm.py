@@ -13,7 +13,7 @@ Three interchangeable implementations (same numbers and gradients, chosen by `im
                 `interpret=False` Pallas raises "Only interpret mode is supported on CPU
                 backend" at lowering. There is no fallback to another impl.
   "blocked"     a scan over fixed-size row blocks, each one group's (blocked.py): the XLA:CPU
-                path, 20-60x faster than "ragged_dot" there at MoE-layer shapes (docs/moe.md).
+                path, 11-30x faster than "ragged_dot" there at MoE-layer shapes, fwd+bwd (docs/moe.md).
   "dense"       reference: every group on every row ([G, M, N] intermediate), then a row ->
                 group one-hot mask. Obviously correct, O(G) too much work: tests only.
   "tokamax_ragged_dot"
@@ -40,7 +40,7 @@ from jax.experimental.pallas.ops.tpu import megablox
 from k3jax.kernels.moe.blocked import blocked_grouped_matmul
 from k3jax.kernels.moe.mxfp4_gmm import mxfp4_grouped_matmul
 from k3jax.kernels.moe.quantized import MXFP4, dequantize
-from k3jax.kernels.platform import target_platform
+from k3jax.kernels.platform import resolve, target_platform
 
 __all__ = ["grouped_matmul", "IMPLS", "resolve_impl", "row_group_ids"]
 
@@ -100,9 +100,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     backend's, so an AOT compile for a TPU topology on a CPU host resolves for TPU): ``blocked``
     on CPU, where XLA's ragged_dot runs every expert on every row (docs/moe.md: the small step
     49.3 -> 10.1 s), ``ragged_dot`` on TPU and GPU. Any other name is returned unchanged."""
-    if impl != "auto":
-        return impl
-    return "blocked" if (platform or target_platform()) == "cpu" else "ragged_dot"
+    return resolve("moe_impl", impl, platform)
 
 
 def _tokamax(lhs, rhs, group_sizes, preferred_element_type):
