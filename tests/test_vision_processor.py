@@ -69,6 +69,18 @@ def test_pixels_and_patch_order_without_resize():
     np.testing.assert_allclose(item.patches, expected_patches(np.asarray(img), 4, 4), rtol=0, atol=1e-6)
 
 
+def test_normalisation_bit_equal_to_the_reference_formula():
+    """float32(u/255), then - mean and * 1/std in place (Moonshot's normalize), for every byte."""
+    pcfg = vp.ProcessorConfig(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+    y, x, c = np.mgrid[:28, :280, :3]
+    u = ((280 * y + x + 85 * c) % 256).astype(np.uint8)[None]          # every byte on every channel
+    want = (u / 255.0).astype(np.float32)
+    want -= np.asarray(pcfg.mean)
+    want *= 1.0 / np.asarray(pcfg.std)
+    got = vp.patchify(u, pcfg).reshape(2, 20, 3, 14, 14).transpose(0, 3, 1, 4, 2).reshape(1, 28, 280, 3)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_pixels_after_bicubic_resize_equal_pillow():
     img = coded_image(90, 60)                    # 6 x 4 patches over a budget of 4: s = sqrt(4/24)
     pcfg = vp.ProcessorConfig(in_patch_limit=4)

@@ -212,14 +212,17 @@ def _resized_frame(img: Image.Image, plan: ResizePlan, pcfg: ProcessorConfig) ->
 
 def patchify(pixels: np.ndarray, pcfg: ProcessorConfig) -> np.ndarray:
     """uint8 [T, H, W, 3] -> normalised float32 [T*(H/p)*(W/p), 3*p*p], rows frame-major raster,
-    each row (c, y, x). Normalisation as the reference: float32(u/255), then - mean, * (1/std)."""
+    each row (c, y, x). Normalisation as the reference: float32(u/255), then - mean, * (1/std),
+    each result float32; done once for the 256 x 3 possible inputs and gathered in patch order
+    (the same values, without a float64 copy of the image)."""
     t, h, w, c = pixels.shape
     p = pcfg.patch_size
-    x = (pixels / 255.0).astype(np.float32)
-    x -= np.asarray(pcfg.mean, np.float64)
-    x *= 1.0 / np.asarray(pcfg.std, np.float64)
-    x = x.reshape(t, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 2, 4)
-    return np.ascontiguousarray(x.reshape(t * (h // p) * (w // p), c * p * p))
+    lut = (np.arange(256)[:, None] / 255.0).astype(np.float32).repeat(c, axis=1)   # [256, c]
+    lut -= np.asarray(pcfg.mean, np.float64)
+    lut *= 1.0 / np.asarray(pcfg.std, np.float64)
+    u = pixels.reshape(t, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 2, 4)     # uint8 view
+    x = lut[u, np.arange(c)[:, None, None]]                                         # [t, gh, gw, c, p, p]
+    return x.reshape(t * (h // p) * (w // p), c * p * p)
 
 
 def image_prompt_prefix(width: int, height: int, pcfg: ProcessorConfig) -> str:
