@@ -14,7 +14,7 @@ media item (an image, or a K2.5 video chunk of <= 4 frames) becomes:
 
 The steps follow Moonshot's media_utils as vLLM, SGLang and the checkpoints ship it: the navit scale
 rule in Python float64 with int() truncation, Pillow BICUBIC (an RGBA/LA image is premultiplied by
-Pillow; a palette image is resized NEAREST, as Pillow does for mode P), K3's chessboard under
+Pillow; under K3 a palette image is resized NEAREST, as Pillow does for mode P), K3's chessboard under
 transparent pixels after the resize in float32 with truncation to uint8, black zero padding
 bottom/right to multiples of p*merge, and (u8/255 -> float32, - mean, * 1/std).
 
