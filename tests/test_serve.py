@@ -26,8 +26,10 @@ from k3jax.sharding import make_mesh
 from helpers import check_greedy
 
 CONTEXT, SLOTS, QUEUE, CHUNK = 96, 8, 8, 16
+# Two decode buckets (the default would compile 1, 2, 4 and 8) and the prefix cache on, in
+# blocks of one chunk (its default size, 1 GiB, holds everything these tests send).
 SERVE = [f"max_target_length={CONTEXT}", f"serve_max_batch={SLOTS}", f"serve_max_queue={QUEUE}",
-         f"serve_prefill_chunk={CHUNK}"]
+         f"serve_prefill_chunk={CHUNK}", f"serve_decode_buckets=[2,{SLOTS}]", f"serve_prefix_block={CHUNK}"]
 GREEDY = dict(temperature=0, logprobs=2, extra_body={"return_tokens_as_token_ids": True})
 
 
@@ -317,3 +319,110 @@ def test_wire_round_trip():
         assert back.kind == step.kind and len(back.args) == len(step.args)
         for a, b in zip(back.args, step.args):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def metric(url, name) -> float:
+    line = next(l for l in urlget(url, "/metrics").splitlines() if l.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def greedy_run(served, ids, max_tokens=8):
+    """A greedy completion of token ids -> (token ids, their logprobs [n], top-5 logprobs [n, 5])."""
+    r = served.client.completions.create(model=served.name, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                         logprobs=5, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    tops = [sorted(t.values(), reverse=True) for t in lp.top_logprobs]
+    return [int(t.split(":")[1]) for t in lp.tokens], np.asarray(lp.token_logprobs), np.asarray(tops)
+
+
+def assert_same(label, got, want):
+    assert got[0] == want[0], f"{label}: tokens {got[0]} vs {want[0]}"
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-7, err_msg=label)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-7, err_msg=label)
+
+
+def test_decode_buckets_give_the_same_logprobs(served):
+    """A request decoded alone (bucket 2, one padding row) and among 7 others (bucket 8)."""
+    rng = np.random.default_rng(11)
+    ids = [int(x) for x in rng.integers(0, served.tok.n_base, 5)]
+    alone = greedy_run(served, ids, 12)
+    others = [[int(x) for x in rng.integers(0, served.tok.n_base, 4)] for _ in range(SLOTS - 1)]
+    with futures.ThreadPoolExecutor(SLOTS) as pool:
+        busy = [pool.submit(greedy_run, served, o, 40) for o in others]
+        time.sleep(0.5)
+        together = pool.submit(greedy_run, served, ids, 12).result()
+        [f.result() for f in busy]
+    assert max(len(rows) for _, rows in served.engine.decode_log) > 2     # the bucket of 8 ran
+    assert_same("alone vs together", together, alone)
+
+
+def test_prefix_cache_hit_restores_and_prefills_the_rest(served):
+    eng, url, n = served.engine, served.url, served.tok.n_base
+    rng = np.random.default_rng(7)
+    ints = lambda k: [int(x) for x in rng.integers(0, n, k)]  # noqa: E731
+    shared = ints(3 * CHUNK)
+    a, b = shared + ints(5), shared + ints(9)    # 3 usable blocks each: the entry sits at 48 tokens
+    c = shared[:2 * CHUNK] + ints(CHUNK + 5)     # shares 2 blocks, but no KDA snapshot there
+    cache, eng.prefix = eng.prefix, None         # fresh prefills: the same programs, no cache
+    try:
+        fresh = {k: greedy_run(served, p) for k, p in (("a", a), ("b", b))}
+    finally:
+        eng.prefix = cache
+    names = ("hits", "misses", "reused_tokens")
+    before = {k: metric(url, f"k3jax_prefix_cache_{k}_total") for k in names}
+    first = greedy_run(served, a)                # miss; saves blocks 0-2 and the snapshot at 48
+    assert_same("a, miss", first, fresh["a"])
+    assert_same("b, restored 48 tokens", greedy_run(served, b), fresh["b"])
+    assert_same("a again, restored 48 tokens", greedy_run(served, a), fresh["a"])
+    greedy_run(served, c)
+    after = {k: metric(url, f"k3jax_prefix_cache_{k}_total") for k in names}
+    assert {k: after[k] - before[k] for k in names} == {"hits": 2, "misses": 2, "reused_tokens": 6 * CHUNK}
+    assert metric(url, "k3jax_prefix_cache_bytes") == cache.bytes > 0
+
+
+def test_prefix_cache_evicts_the_least_recently_used(served):
+    eng, url, n = served.engine, served.url, served.tok.n_base
+    rng = np.random.default_rng(8)
+    a, b = ([int(x) for x in rng.integers(0, n, 2 * CHUNK + 3)] for _ in range(2))
+    cache, capacity = eng.prefix, eng.prefix.capacity
+    cache.capacity = 2 * cache.block_bytes + cache.state_bytes      # one two-block entry
+    try:
+        ev0 = metric(url, "k3jax_prefix_cache_evictions_total")
+        first = greedy_run(served, a)
+        assert len(cache.entries) == 1 and len(eng.p.store) == 3    # what was cached before is evicted
+        greedy_run(served, b)                                         # evicts a's entry
+        reused = metric(url, "k3jax_prefix_cache_reused_tokens_total")
+        assert_same("a after its eviction", greedy_run(served, a), first)
+        assert metric(url, "k3jax_prefix_cache_reused_tokens_total") == reused   # a missed
+        assert metric(url, "k3jax_prefix_cache_evictions_total") - ev0 >= 2
+        assert len(eng.p.store) == 3 and cache.bytes <= cache.capacity
+    finally:
+        cache.capacity = capacity
+
+
+def test_prefix_cache_index():
+    from k3jax.serve.prefix_cache import PrefixCache, chain_keys
+    toks = list(range(40))
+    assert chain_keys(toks, 8, 3) == chain_keys(toks + [1, 2], 8, 3)
+    assert chain_keys(toks, 8, 3)[:1] == chain_keys(toks, 8, 3, media=[(9, b"img")])[:1]
+    assert chain_keys(toks, 8, 3)[1:] != chain_keys(toks, 8, 3, media=[(9, b"img")])[1:]   # the chain carries it
+    pc = PrefixCache(capacity=250, block=8, block_bytes=10, state_bytes=100)
+    s1 = pc.plan_save(toks[:17])            # blocks 0-1 + snapshot at 16
+    s2 = pc.plan_save(toks[:25])            # shares blocks 0-1, adds block 2 + snapshot at 24
+    assert (s1.tokens, len(s1.blocks), s2.tokens, len(s2.blocks)) == (16, 2, 24, 1) and pc.bytes == 230
+    assert pc.lookup(toks[:24]).tokens == 16 and pc.lookup(toks[:30]).tokens == 24
+    assert pc.lookup([99] + toks[1:30]) is None
+    s3 = pc.plan_save([5] * 9)              # needs 110 bytes: evicts the LRU entry (16), keeps shared blocks
+    assert s3.evicted == 1 and s3.drops == [s1.state] and pc.lookup(toks[:30]).tokens == 24
+    assert pc.plan_save(list(range(300))) is None     # larger than the whole cache: not saved
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["serve_decode_buckets=[2,4]"], "ending with serve_max_batch=8"),
+    (["serve_decode_buckets=[8,2]"], "increasing distinct"),
+    (["serve_decode_buckets=[0,8]"], "in 1..serve_max_batch"),
+    (["serve_prefill_chunk=16", "serve_prefix_block=24"], "serve_prefix_block=24: must be a multiple of serve_prefill_chunk=16"),
+])
+def test_serve_cache_config_errors(overrides, message):
+    with pytest.raises(C.ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        C.load(C.REPO_CONFIGS / "base.yml", ["serve_max_batch=8", *overrides])

@@ -79,6 +79,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         raise ConfigError(f"serve_max_queue={sv.serve_max_queue}: must be >= 0")
     if not 0 <= sv.serve_port <= 65535:
         raise ConfigError(f"serve_port={sv.serve_port}: must be a TCP port (0..65535; 0 = any free port)")
+    _validate_serve_cache(sv)
     _validate_decode(cfg.decode)
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
@@ -161,6 +162,21 @@ def _validate_vision(cfg: Config, platform: str | None) -> None:
     if platform not in (None, "tpu") and v.vision_attention_impl == "splash" and not cfg.kernel.pallas_interpret:
         raise ConfigError(f"vision_attention_impl=splash compiles TPU kernels but the devices here are {platform}; "
                           "use vision_attention_impl=blocked (or pallas_interpret=true)")
+
+
+def _validate_serve_cache(sv) -> None:
+    """Decode buckets and the prefix cache (k3jax.serve.programs / prefix_cache)."""
+    b = sv.serve_decode_buckets
+    if b and (not all(isinstance(x, int) and 1 <= x <= sv.serve_max_batch for x in b) or b != sorted(set(b))
+              or b[-1] != sv.serve_max_batch):
+        raise ConfigError(f"serve_decode_buckets={b}: must be increasing distinct batch sizes in 1..serve_max_batch "
+                          f"ending with serve_max_batch={sv.serve_max_batch} (e.g. [1, 4, {sv.serve_max_batch}]), "
+                          f"or [] for the powers of two")
+    if sv.serve_prefix_block < 0 or sv.serve_prefix_block % sv.serve_prefill_chunk:
+        raise ConfigError(f"serve_prefix_block={sv.serve_prefix_block}: must be a multiple of serve_prefill_chunk="
+                          f"{sv.serve_prefill_chunk} (or 0 = serve_prefill_chunk)")
+    if sv.serve_prefix_cache_bytes < 0:
+        raise ConfigError(f"serve_prefix_cache_bytes={sv.serve_prefix_cache_bytes}: must be >= 0 (0 = no prefix cache)")
 
 
 def _validate_decode(d) -> None:

@@ -2,13 +2,14 @@
 ``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
 
 Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk,
-serve_api_key; each slot holds max_target_length tokens (prompt + completion). The tokenizer is the
+serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes; each slot holds max_target_length tokens (prompt + completion). The tokenizer is the
 checkpoint's (``tokenizer_path`` or the one recorded with it) and chat prompts use its own chat
 template. SIGTERM (or Ctrl-C) drains: no new connections, running and queued requests finish, exit 0.
 Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
 runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
 
-programs.py  the slot cache and the compiled decode / prefill-chunk / reset programs
+programs.py  the slot cache and the compiled decode / prefill-chunk / reset / prefix-copy programs
+prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, LRU)
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
 text.py      incremental detokenisation and stop strings
 protocol.py  OpenAI request / response bodies
@@ -41,8 +42,10 @@ def build(cfg, mesh=None):
     mesh = make_mesh(cfg) if mesh is None else mesh
     model = load_model(cfg, mesh)
     programs = Programs(model, mesh, slots=sv.serve_max_batch, length=cfg.train.max_target_length,
-                        chunk=sv.serve_prefill_chunk)
-    engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id))
+                        chunk=sv.serve_prefill_chunk, decode_sizes=sv.serve_decode_buckets,
+                        prefix_block=(sv.serve_prefix_block or sv.serve_prefill_chunk) if sv.serve_prefix_cache_bytes else 0)
+    engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id),
+                    prefix_cache_bytes=sv.serve_prefix_cache_bytes)
     metrics = ServeMetrics(engine.stats)
     engine.metrics = metrics
     app = create_app(engine, tok, model_name=cfg.model_name, context=cfg.train.max_target_length,

@@ -3,12 +3,14 @@
 The scheduler loop, one iteration at a time:
 
 1. drop cancelled requests (a client that went away) and free their slots (``reset``);
-2. move queued requests into free slots;
+2. move queued requests into free slots; with a prefix cache, restore into the slot the longest
+   cached prefix of each new prompt (``prefix_cache``), which then prefills only the rest;
 3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
    long prompt advances a chunk per iteration, between decode steps, so it never stalls the
-   requests that are generating; its last chunk yields its first token;
-4. one decode step for every generating slot at once (``Programs.decode``); the new request joins
-   it at the next iteration.
+   requests that are generating; its last chunk yields its first token; the chunk that ends the
+   prompt's last full block before its last token saves the prefix into the cache;
+4. one decode step for every generating slot at once (``Programs.decode``, in the smallest
+   compiled decode bucket that holds them); the new request joins it at the next iteration.
 
 Each step's work is a ``pod.Step`` (numpy arrays of fixed shapes) sent through ``pod.Link``: in a
 multi-process server process 0 plans the steps and broadcasts each one, and every process runs the
@@ -31,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from k3jax.serve.pod import Link, Step, Wire
+from k3jax.serve.prefix_cache import PrefixCache
 from k3jax.serve.text import TextState
 
 
@@ -65,9 +68,11 @@ class Request:
     logprobs: int | None = None               # alternatives per token (0 = the chosen token only)
     id: str = ""
     ignore_eos: bool = False                  # stop tokens do not end it (fixed-length benchmarks)
+    media: tuple = ()                         # (token position, content digest) per media item: prefix cache keys
     # engine state
     slot: int = -1
     prefilled: int = 0
+    reused: int = 0                           # prompt tokens restored from the prefix cache
     generated: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     done: bool = False
@@ -80,7 +85,7 @@ class Engine:
     """Owns the slots and the scheduler thread. ``submit`` / ``cancel`` may be called from any
     thread; everything else happens on the engine thread."""
 
-    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None):
+    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None, prefix_cache_bytes: int = 0):
         self.p, self.tok = programs, tokenizer
         self.slots: list[Request | None] = [None] * programs.slots
         self.queue: collections.deque[Request] = collections.deque()
@@ -99,6 +104,10 @@ class Engine:
         self.first_token_log: collections.deque = collections.deque(maxlen=10_000)
         self.finished_log: collections.deque = collections.deque(maxlen=10_000)   # (id, reason, tokens)
         self.error: BaseException | None = None
+        # Prefix cache (host index; the pieces live in programs.store). Off without its programs:
+        # serve_prefix_cache_bytes = 0, or a block as long as the context.
+        self.prefix = (PrefixCache(prefix_cache_bytes, programs.prefix_block, programs.block_bytes,
+                                   programs.state_bytes) if prefix_cache_bytes and programs.prefix_block else None)
 
     # -- any thread -----------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -126,7 +135,7 @@ class Engine:
     def stats(self) -> dict:
         with self._cv:
             return {"queue": len(self.queue), "active": sum(s is not None for s in self.slots),
-                    "slots": len(self.slots)}
+                    "slots": len(self.slots), "prefix_cache_bytes": self.prefix.bytes if self.prefix else 0}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="k3jax-engine", daemon=True)
@@ -158,7 +167,7 @@ class Engine:
     def _iterate(self) -> bool:
         with self._cv:
             freed = self._drop_cancelled()
-            self._admit()
+            admitted = self._admit()
             prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
             decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
             if not (prefilling or decoding or freed):
@@ -174,6 +183,8 @@ class Engine:
         self.iteration += 1
         for slot in freed:
             self._run_step(Step.reset(slot))
+        for r in admitted:
+            self._restore(r)
         if prefilling:
             self._prefill_chunk(min(prefilling, key=lambda r: r.submitted))
         if decoding:
@@ -193,12 +204,43 @@ class Engine:
                 freed.append(i)
         return freed
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        out = []
         for i in range(len(self.slots)):
             if self.slots[i] is None and self.queue:
                 r = self.queue.popleft()
                 r.slot = i
                 self.slots[i] = r
+                out.append(r)
+        return out
+
+    def _restore(self, r: Request) -> None:
+        """Copy the longest cached prefix of r's prompt into its (zeroed) slot."""
+        if self.prefix is None:
+            return
+        m = self.prefix.lookup(r.prompt, r.media)
+        if m is not None:
+            for i, key in enumerate(m.blocks):
+                self._run_step(Step.ints("load_block", r.slot, i * self.prefix.block, key))
+            self._run_step(Step.ints("load_state", r.slot, m.state))
+            r.prefilled = r.reused = m.tokens
+        if self.metrics is not None:
+            self.metrics.prefix_lookup(r.reused)
+
+    def _save_prefix(self, r: Request) -> None:
+        """r's prefill just ended a chunk: if that is where its prompt's entry goes, save it."""
+        if self.prefix is None or r.prefilled != self.prefix.usable_blocks(len(r.prompt)) * self.prefix.block:
+            return
+        plan = self.prefix.plan_save(r.prompt, r.media, r.reused)
+        if plan is None:
+            return
+        for key in plan.drops:
+            self._run_step(Step.ints("drop", key))
+        for start, key in plan.blocks:
+            self._run_step(Step.ints("save_block", r.slot, start, key))
+        self._run_step(Step.ints("save_state", r.slot, plan.state))
+        if self.metrics is not None and plan.evicted:
+            self.metrics.prefix_evicted(plan.evicted)
 
     def _sampling(self, r: Request):
         return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated)
@@ -207,6 +249,7 @@ class Engine:
         piece = r.prompt[r.prefilled:r.prefilled + self.chunk]
         out = self._run_step(Step.prefill(r.slot, piece, r.prefilled, *self._sampling(r)))
         r.prefilled += len(piece)
+        self._save_prefix(r)
         if r.prefilled == len(r.prompt):
             r.first_token_at = time.perf_counter()
             self.first_token_log.append((self.iteration, r.id))

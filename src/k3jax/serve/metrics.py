@@ -26,6 +26,14 @@ class ServeMetrics:
         self.requests = Counter("k3jax_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.ttft = Histogram("k3jax_time_to_first_token_seconds", "time from arrival to the first generated "
                               "token", buckets=TTFT_BUCKETS, registry=r)
+        self.prefix_hits = Counter("k3jax_prefix_cache_hits", "requests that restored a cached prompt prefix",
+                                   registry=r)
+        self.prefix_misses = Counter("k3jax_prefix_cache_misses", "requests that found no cached prefix", registry=r)
+        self.prefix_evictions = Counter("k3jax_prefix_cache_evictions", "cached prompt prefixes evicted (LRU)",
+                                        registry=r)
+        self.prefix_reused = Counter("k3jax_prefix_cache_reused_tokens", "prompt tokens restored instead of "
+                                     "prefilled", registry=r)
+        self.prefix_bytes = Gauge("k3jax_prefix_cache_bytes", "bytes held by the prefix cache", registry=r)
         self._stats = stats
         self._recent: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -37,6 +45,14 @@ class ServeMetrics:
         self.out.inc(n)
         with self._lock:
             self._recent.append((time.monotonic(), n))
+
+    def prefix_lookup(self, reused: int) -> None:
+        """A prefix cache lookup that restored ``reused`` tokens (0: a miss)."""
+        (self.prefix_hits if reused else self.prefix_misses).inc()
+        self.prefix_reused.inc(reused)
+
+    def prefix_evicted(self, n: int) -> None:
+        self.prefix_evictions.inc(n)
 
     def finished(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -54,5 +70,6 @@ class ServeMetrics:
         self.queue.set(s["queue"])
         self.active.set(s["active"])
         self.slots.set(s["slots"])
+        self.prefix_bytes.set(s.get("prefix_cache_bytes", 0))
         self.rate.set(self.tokens_per_second())
         return generate_latest(self.registry)

@@ -2,7 +2,7 @@
 
 Process 0 runs HTTP and the scheduler; every process holds its shards of the weights and of the
 slot cache and runs the same compiled programs. Before each device step process 0 broadcasts the
-step's inputs (``Step``: decode / prefill chunk / slot reset, all fixed-shape numpy) as one int32
+step's inputs (``Step``: decode / prefill chunk / slot reset / prefix cache copy, all fixed-shape numpy) as one int32
 vector of a fixed size (``Wire``), with ``multihost_utils.broadcast_one_to_all``; the followers
 (``follow``) decode it and run the step, so every process enters the same program with the same
 inputs in the same order. While idle, process 0 sends a no-op every half second (a follower never
@@ -21,7 +21,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-KINDS = ("stop", "noop", "decode", "prefill", "reset")
+KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop")
+INT_KINDS = KINDS[4:]   # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
 
 
 @dataclasses.dataclass
@@ -45,6 +46,11 @@ class Step:
     @classmethod
     def reset(cls, slot):
         return cls("reset", (int(slot),))
+
+    @classmethod
+    def ints(cls, kind, *args):
+        """A reset or a prefix cache step (Programs.save_block / save_state / load_block / load_state / drop)."""
+        return cls(kind, tuple(int(a) for a in args))
 
     def run(self, programs):
         return getattr(programs, self.kind)(*self.args)
@@ -75,8 +81,9 @@ class Wire:
             out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
                          _bits(seed, np.uint32), counter, 0]
             out[10:10 + len(tokens)] = tokens
-        elif step.kind == "reset":
-            out[2] = step.args[0]
+        elif step.kind in INT_KINDS:
+            out[1] = len(step.args)
+            out[2:2 + len(step.args)] = step.args
         return out
 
     def unpack(self, arr: np.ndarray) -> Step:
@@ -91,8 +98,8 @@ class Wire:
             h = arr[2:10]
             return Step.prefill(h[0], arr[10:10 + n], h[1], h[2:3].view(np.float32)[0], h[3],
                                 h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6])
-        if kind == "reset":
-            return Step.reset(arr[2])
+        if kind in INT_KINDS:
+            return Step.ints(kind, *arr[2:2 + int(arr[1])])
         return Step(kind)
 
 

@@ -4,13 +4,20 @@
 max_target_length): slot b owns row b of every leaf, its KDA recurrent + conv state and its MLA
 latent cache region. Three kinds of program run on it, each compiled once, ahead of time, at start:
 
-- ``decode``: one token for every slot at its own position (``model.decode_step`` with per-row
-  ``pos``). Idle rows (free, or still prefilling) leave their cache untouched: their MLA write goes
-  to slot S (dropped) and their KDA leaves are selected back.
+- ``decode[N]``: one token for each of N slots at its own position (``model.decode_step`` with
+  per-row ``pos``), for each N in the decode buckets (``serve_decode_buckets``: by default the
+  powers of two up to B, and B). A step runs the smallest bucket that holds the generating slots:
+  it gathers those slots' rows (padded with idle slots), decodes them and scatters back the KDA
+  leaves whole and the MLA leaves' one new position. Idle rows leave their cache untouched: their
+  MLA write goes to slot S (dropped) and their KDA leaves are selected back.
 - ``prefill[C]``: the next C prompt tokens of one slot (``model.extend`` on that row), for each C
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
   request ever triggers a compilation. The chunk's last real token gives the first sampled token.
 - ``reset``: zero one slot's rows when its request ends, so a slot always starts from zeros.
+- with a prefix cache (``prefix_block`` > 0): ``save_block`` / ``load_block`` copy one slot's MLA
+  rows of one block out of / into the cache, ``save_state`` / ``load_state`` its KDA recurrent and
+  conv state; saved pieces stay on device in ``self.store`` under an id the engine chooses (every
+  process of a pod holds its shards of them), ``drop`` frees one.
 
 Each program samples on device (per-row temperature / top-k / top-p and a key folded from the
 request's seed and its token count, so a request's samples do not depend on its neighbours) and
@@ -41,6 +48,18 @@ def prefill_buckets(chunk: int) -> list[int]:
     return out + [chunk]
 
 
+def decode_buckets(slots: int, given=None) -> list[int]:
+    """Compiled decode batch sizes: ``given`` (``serve_decode_buckets``, validated by the config),
+    else the powers of two below ``slots``, and ``slots``."""
+    if given:
+        return sorted(int(b) for b in given)
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out + [slots]
+
+
 def _is_spec_leaf(x) -> bool:
     return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
 
@@ -57,9 +76,12 @@ class Programs:
     Calls take numpy inputs (the same values on every process) and return numpy outputs.
     """
 
-    def __init__(self, model, mesh, *, slots: int, length: int, chunk: int):
+    def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0):
         self.mesh, self.slots, self.length = mesh, slots, length
         self.buckets = prefill_buckets(chunk)
+        self.decode_sizes = decode_buckets(slots, decode_sizes)
+        # A block as long as the context could never be reused (a hit leaves >= 1 token to prefill).
+        self.prefix_block = prefix_block if 0 < prefix_block < length else 0
         self.gdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.state = (params, rest)
         spec = model.cache_spec(slots, length)
@@ -69,15 +91,39 @@ class Programs:
         # written at the row's own slot, which an idle row points past the end.
         paths = jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]
         self._recurrent = [str(getattr(p[-1], "key", "")) not in ("c", "k_r") for p, _ in paths]
+        for (_, _, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent):
+            if not rec and axes[ax + 1:ax + 2] != ("cache_seq",):
+                raise ValueError(f"an MLA cache leaf with axes {axes}: expected cache_seq right after batch")
         self.cache_shardings = [sharding_for(mesh, shape, axes) for shape, _, axes in leaves]
         self.replicated = NamedSharding(mesh, P())
         self._zeros = jax.jit(lambda: [jnp.zeros(s, d) for s, d, _ in leaves], out_shardings=self.cache_shardings)
         self.cache = self._zeros()
         self._multi = jax.process_count() > 1
+        self.store: dict[int, list] = {}     # prefix cache pieces on device, by the engine's ids
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
         with jax.set_mesh(mesh):
-            self._decode = self._compile(self._decode_fn, self._decode_args())
+            self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
             self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
-            self._reset = self._compile(self._reset_fn, [jax.ShapeDtypeStruct((), jnp.int32)])
+            self._reset = self._compile(self._reset_fn, [i32], out="cache")
+            if self.prefix_block:
+                block = [self._piece(shape, dt, axes, ax, self.prefix_block)
+                         for (shape, dt, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent) if not rec]
+                snap = [self._piece(shape, dt, axes, ax)
+                        for (shape, dt, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent) if rec]
+                self.block_bytes = sum(x.size * x.dtype.itemsize for x in block)
+                self.state_bytes = sum(x.size * x.dtype.itemsize for x in snap)
+                self._save_block = self._compile(self._save_block_fn, [i32, i32], out=[x.sharding for x in block])
+                self._save_state = self._compile(self._save_state_fn, [i32], out=[x.sharding for x in snap])
+                self._load_block = self._compile(self._load_block_fn, [i32, i32], block, out="cache")
+                self._load_state = self._compile(self._load_state_fn, [i32], snap, out="cache")
+
+    def _piece(self, shape, dtype, axes, ax, block: int = 0):
+        """Abstract array of one slot's rows of a cache leaf (``block`` > 0: ``block`` positions)."""
+        shape = list(shape)
+        shape[ax] = 1
+        if block:
+            shape[ax + 1] = block
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_for(self.mesh, shape, axes))
 
     # -- tracing --------------------------------------------------------------------------------
     def _model(self, state):
@@ -94,12 +140,25 @@ class Programs:
             out.append(n)
         return out
 
-    def _decode_fn(self, state, cache, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        b = tokens.shape[0]
+    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        """Decode the N slots ``idx`` (sorted; all B slots in order for the largest bucket)."""
+        n = tokens.shape[0]
         write = jnp.where(active, pos, self.length)                # idle rows write past the end
-        tree = jax.tree.unflatten(self._tdef, cache)
-        logits, new = self._model(state).decode_step(tokens, tree, write, jnp.zeros((b,), jnp.int32))
-        new = self._rows(jax.tree.leaves(new), cache, active)
+        whole = n == self.slots
+        rows = cache if whole else [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
+        tree = jax.tree.unflatten(self._tdef, rows)
+        logits, new = self._model(state).decode_step(tokens, tree, write, jnp.zeros((n,), jnp.int32))
+        new = self._rows(jax.tree.leaves(new), rows, active)
+        if not whole:   # scatter back: KDA leaves whole, MLA leaves only the one new position
+            out = []
+            for x, v, ax, rec in zip(cache, new, self._batch_axis, self._recurrent):
+                lead = (slice(None),) * ax
+                if rec:
+                    out.append(x.at[lead + (idx,)].set(v.astype(x.dtype)))
+                else:
+                    tok = v[lead + (jnp.arange(n), jnp.minimum(write, self.length - 1))]
+                    out.append(x.at[lead + (idx, write)].set(tok.astype(x.dtype), mode="drop"))
+            new = out
         tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
         return (tok, *logprobs(logits, tok, self._k(logits))), new
 
@@ -117,29 +176,64 @@ class Programs:
         return [jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros_like(jax.lax.dynamic_slice_in_dim(x, 0, 1, ax)),
                                                     slot, ax) for x, ax in zip(cache, self._batch_axis)]
 
+    def _save_block_fn(self, state, cache, slot, start):
+        del state
+        return [jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), start, self.prefix_block,
+                                             ax + 1)
+                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent) if not rec]
+
+    def _save_state_fn(self, state, cache, slot):
+        del state
+        return [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax)
+                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent) if rec]
+
+    def _load_block_fn(self, state, cache, slot, start, *block):
+        del state
+        block, out = iter(block), []
+        for x, ax, rec in zip(cache, self._batch_axis, self._recurrent):
+            if not rec:
+                at = [0] * x.ndim
+                at[ax], at[ax + 1] = slot, start
+                x = jax.lax.dynamic_update_slice(x, next(block).astype(x.dtype), at)
+            out.append(x)
+        return out
+
+    def _load_state_fn(self, state, cache, slot, *snap):
+        del state
+        snap = iter(snap)
+        return [jax.lax.dynamic_update_slice_in_dim(x, next(snap).astype(x.dtype), slot, ax) if rec else x
+                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent)]
+
     @staticmethod
     def _k(logits):
         return min(TOP_LOGPROBS, logits.shape[-1])
 
     # -- compilation ----------------------------------------------------------------------------
-    def _decode_args(self):
-        b, i32, f32 = self.slots, jnp.int32, jnp.float32
-        return [jax.ShapeDtypeStruct((b,), dt) for dt in (i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
+    def _decode_args(self, n):
+        i32, f32 = jnp.int32, jnp.float32
+        return [jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
 
     def _prefill_args(self, c):
         scalars = (jnp.int32, jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32)
         return ([jax.ShapeDtypeStruct((), scalars[0]), jax.ShapeDtypeStruct((c,), jnp.int32)]
                 + [jax.ShapeDtypeStruct((), dt) for dt in scalars[1:]])
 
-    def _compile(self, fn, host_args):
+    def _compile(self, fn, host_args, dev_args=(), out="step"):
+        """AOT-compile fn(state, cache, *host_args, *dev_args). ``out``: "step" (replicated host
+        outputs, the new cache; the cache is donated), "cache" (the new cache, donated) or a list of
+        shardings (arrays read from the cache, which is not donated)."""
         abstract_cache = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                           for x, s in zip(self.cache, self.cache_shardings)]
         host = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in host_args]
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         # Host outputs replicated (any process reads its own copy whole); the cache keeps its layout.
-        out = self.cache_shardings if fn == self._reset_fn else (self.replicated, self.cache_shardings)
-        jitted = jax.jit(fn, donate_argnums=1, out_shardings=out)
-        return jitted.lower(state, abstract_cache, *host).compile()
+        if out == "step":
+            jitted = jax.jit(fn, donate_argnums=1, out_shardings=(self.replicated, self.cache_shardings))
+        elif out == "cache":
+            jitted = jax.jit(fn, donate_argnums=1, out_shardings=self.cache_shardings)
+        else:
+            jitted = jax.jit(fn, out_shardings=out)
+        return jitted.lower(state, abstract_cache, *host, *dev_args).compile()
 
     # -- calls (numpy in, numpy out) ------------------------------------------------------------
     def _put(self, x):
@@ -153,11 +247,23 @@ class Programs:
         return np.asarray(x.addressable_data(0))   # replicated: this process's copy is the whole array
 
     def decode(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        """One decode step for all slots; every argument is [B]. -> (tokens, logprob, top ids, top
-        logprobs) as numpy arrays over the slots (rows of idle slots are meaningless)."""
-        args = [self._put(a) for a in (tokens, pos, active, temperature, top_k, top_p, seeds, counters)]
-        out, self.cache = self._decode(self.state, self.cache, *args)
-        return tuple(self._get(o) for o in out)
+        """One decode step for the active slots; every argument is [B]. Runs the smallest decode
+        bucket that holds the active slots (padded with idle ones). -> (tokens, logprob, top ids,
+        top logprobs) as numpy arrays over the B slots (rows of idle slots are meaningless)."""
+        active = np.asarray(active, bool)
+        act = np.flatnonzero(active)
+        n = next(b for b in self.decode_sizes if b >= len(act))
+        idx = np.sort(np.concatenate([act, np.flatnonzero(~active)[:n - len(act)]])).astype(np.int32)
+        args = [self._put(np.asarray(a)[idx]) for a in (tokens, pos, active, temperature, top_k, top_p, seeds,
+                                                        counters)]
+        out, self.cache = self._decode[n](self.state, self.cache, self._put(idx), *args)
+        full = []
+        for o in out:
+            o = self._get(o)
+            f = np.zeros((self.slots, *o.shape[1:]), o.dtype)
+            f[idx] = o
+            full.append(f)
+        return tuple(full)
 
     def prefill(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
         """Prefill ``tokens`` (at most the largest bucket) into ``slot`` after its first ``pos``
@@ -179,3 +285,24 @@ class Programs:
     def row(self, slot: int):
         """Slot ``slot``'s cache rows as numpy arrays (tests: a freed slot is all zeros)."""
         return [np.take(np.asarray(jax.device_get(x)), slot, axis=ax) for x, ax in zip(self.cache, self._batch_axis)]
+
+    # -- the prefix cache's pieces (ids chosen by the engine, the same on every process) ---------
+    def save_block(self, slot: int, start: int, key: int):
+        """Keep slot ``slot``'s MLA rows of positions start .. start + prefix_block as ``key``."""
+        self.store[key] = self._save_block(self.state, self.cache, *self._ints(slot, start))
+
+    def save_state(self, slot: int, key: int):
+        """Keep slot ``slot``'s KDA recurrent and conv state as ``key``."""
+        self.store[key] = self._save_state(self.state, self.cache, *self._ints(slot))
+
+    def load_block(self, slot: int, start: int, key: int):
+        self.cache = self._load_block(self.state, self.cache, *self._ints(slot, start), *self.store[key])
+
+    def load_state(self, slot: int, key: int):
+        self.cache = self._load_state(self.state, self.cache, *self._ints(slot), *self.store[key])
+
+    def drop(self, key: int):
+        del self.store[key]
+
+    def _ints(self, *xs):
+        return [self._put(np.asarray(x, np.int32)) for x in xs]
