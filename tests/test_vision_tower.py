@@ -12,6 +12,7 @@ from flax import nnx
 
 import vision_numpy_ref as ref
 from k3jax import config as C
+from k3jax import sharding as S
 from k3jax.schema import ConfigError
 from k3jax.vision import build_vision, encode_media, layout_arrays, media_layout, merge_patches
 from k3jax.vision.attention import blocked_segment_attention, splash_segment_attention
@@ -24,8 +25,8 @@ K3 = TINY + ["vision_hidden_size=32", "vision_num_heads=3", "vision_head_dim=16"
              "vision_norm=rmsnorm", "vision_norm_eps=1.1920929e-7", "vision_patch_bias=false",
              "vision_attn_bias=false", "vision_mlp_bias=false", "vision_pos_interp=bilinear",
              "vision_projector=patchmergerv2", "vision_pos_emb_height=6", "vision_pos_emb_width=10"]
-# Down- and upsampling of the 8x8 (6x10) table, non-square grids, a 3-frame video chunk for K2.5.
-GRIDS = {"k25": [(1, 2, 2), (1, 4, 6), (3, 2, 4), (1, 10, 2)], "k3": [(1, 4, 2), (1, 2, 12), (1, 8, 8)]}
+# Down- and upsampling of the 8x8 (6x10) table, non-square grids, 3- and 4-frame video chunks for K2.5.
+GRIDS = {"k25": [(1, 2, 2), (1, 4, 6), (3, 2, 4), (1, 10, 2), (4, 2, 2)], "k3": [(1, 4, 2), (1, 2, 12), (1, 8, 8)]}
 SETS = {"k25": K25, "k3": K3}
 BUCKET = {"k25": (96, 24), "k3": (112, 32)}       # patches / tokens, both above the real counts
 
@@ -85,7 +86,7 @@ def ckpt_params(st, vc):
 
 def setup(name, seed=0):
     cfg = C.load(BASE, SETS[name])
-    enc = build_vision(cfg, 0)
+    enc = nnx.eval_shape(lambda: build_vision(cfg, 0))    # shapes only: randomize fills every parameter
     randomize(enc, seed)
     grid = GRIDS[name]
     n = sum(t * h * w for t, h, w in grid)
@@ -95,22 +96,23 @@ def setup(name, seed=0):
 
 @nnx.jit
 def _parts(enc, patches, arrays):
-    hidden, layers = enc.vision_tower(patches, arrays, per_layer=True)
+    tower = enc.vision_tower
+    emb = tower.patch_embed(patches, arrays["pos_index"], arrays["pos_weight"], arrays["frames"])
+    hidden, layers = tower(patches, arrays, per_layer=True)
     merged = merge_patches(hidden, arrays)
-    return hidden, layers, merged, enc.mm_projector(merged)
+    return emb, hidden, layers, merged, enc.mm_projector(merged)
 
 
 def run_parts(name, seed=0):
     """Per part (JAX, reference) arrays, the padding dropped."""
     cfg, enc, grid, pixels = setup(name, seed)
     vc = cfg.vision
-    lay = media_layout(vc, grid, *BUCKET[name])
+    lay = media_layout(vc, grid, *BUCKET[name], max_frames=1 if name == "k3" else None)   # K3: images only
     npad, n, m = len(lay["segment_ids"]), lay["real_patches"], lay["real_tokens"]
     x = np.zeros((npad, pixels[0].size), np.float32)
     x[:n] = pixels.reshape(n, -1)
     arrays = layout_arrays(lay)
-    hidden, layers, merged, feats = _parts(enc, jnp.asarray(x), arrays)
-    emb = enc.vision_tower.patch_embed(jnp.asarray(x), arrays["pos_index"], arrays["pos_weight"], arrays["frames"])
+    emb, hidden, layers, merged, feats = _parts(enc, jnp.asarray(x), arrays)
     p = ckpt_params(flat_params(enc), vc)
     r_out, r_layers = ref.tower(vc, p, pixels, grid, per_layer=True)
     r_merged = ref.merge(vc, r_out, grid)
@@ -142,23 +144,35 @@ def test_every_part_matches_the_float64_reference(name):
 
 
 def test_media_do_not_attend_to_each_other_and_padding_is_inert():
-    """Changing one media item's pixels leaves the other media's features bit-identical, and a
-    media item encoded alone (no padding) equals its slice of the padded packed batch."""
+    """Changing one media item's pixels leaves the other media's features bit-identical, a media
+    item encoded alone (the rest of the bucket padding) equals its slice of the packed batch, and
+    other grids fitting the same buckets reuse the compiled program."""
     cfg, enc, grid, pixels = setup("k25")
     vc = cfg.vision
     sizes = [t * h * w for t, h, w in grid]
     toks = [h // 2 * (w // 2) for _, h, w in grid]
     starts, tstarts = np.cumsum([0] + sizes), np.cumsum([0] + toks)
     bucket = dict(num_patches=BUCKET["k25"][0], num_tokens=BUCKET["k25"][1])
-    base = np.asarray(encode_media(enc, pixels, grid, **bucket))
+    base = np.asarray(encode_media(enc, pixels, grid, **bucket))[:tstarts[-1]]
     other = pixels.copy()
     other[starts[1]:starts[2]] = np.random.default_rng(7).uniform(-1, 1, other[starts[1]:starts[2]].shape)
-    changed = np.asarray(encode_media(enc, other, grid, **bucket))
+    changed = np.asarray(encode_media(enc, other, grid, **bucket))[:tstarts[-1]]
     same = np.r_[tstarts[0]:tstarts[1], tstarts[2]:tstarts[-1]]
     np.testing.assert_array_equal(changed[same], base[same])
     assert np.abs(changed[tstarts[1]:tstarts[2]] - base[tstarts[1]:tstarts[2]]).max() > 1e-2
-    alone = np.asarray(encode_media(enc, pixels[starts[2]:starts[3]], [grid[2]]))
+    alone = np.asarray(encode_media(enc, pixels[starts[2]:starts[3]], [grid[2]], **bucket))[:toks[2]]
     np.testing.assert_allclose(alone, base[tstarts[2]:tstarts[3]], rtol=0, atol=1e-5 * np.abs(base).max())
+    # other grids in the same buckets run the compiled program again: nothing is traced or compiled
+    events = []
+    listener = lambda name, *a, **kw: events.append(name) if ("compile" in name or "trace" in name) else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        other_grid = [(1, 2, 6), (2, 4, 4), (1, 8, 2)]
+        n_other = sum(t * h * w for t, h, w in other_grid)
+        encode_media(enc, pixels[:n_other], other_grid, **bucket)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not events, events
     with pytest.raises(ValueError, match="grid_thw .* is impossible"):
         media_layout(vc, [(1, 3, 4)])
     with pytest.raises(ValueError, match="buckets hold"):
@@ -185,6 +199,12 @@ def test_gradients_match_finite_differences_of_the_reference(name):
 
     grads = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
              for p, v in nnx.to_flat_state(jax.jit(jax.grad(loss))(params))}
+    if name == "k3":   # the rematerialised blocks (the training path) give the same gradients
+        def loss_remat(params):
+            out = nnx.merge(gdef, params, rest)(x, arrays, remat=True)
+            return jnp.sum(out * jnp.asarray(R, jnp.float32))
+        for p, v in nnx.to_flat_state(jax.jit(jax.grad(loss_remat))(params)):
+            np.testing.assert_allclose(v.get_value(), grads[".".join(map(str, p))], rtol=1e-5, atol=1e-6)
     checks = ["vision_tower.patch_embed.pos_emb", "vision_tower.patch_embed.proj", "vision_tower.blocks.wqkv",
               "vision_tower.blocks.norm0.weight", "mm_projector.proj0"]
     checks += (["vision_tower.blocks.fc0_bias", "mm_projector.pre_norm.weight"] if name == "k25"
@@ -218,14 +238,22 @@ def test_resample_taps_equal_the_reference_matrix(mode, n, src):
 
 def test_splash_path_equals_blocked_in_the_interpreter():
     """vision_attention_impl=splash (the TPU kernel, run here by the Pallas interpreter) gives the
-    blocked path's output on two packed segments and a padding segment, head dim 72 (padded to 128)."""
+    blocked path's output and q/k/v gradients on two packed segments and a padding segment, head
+    dim 72 (padded to 128 inside)."""
     rng = np.random.default_rng(0)
     n, h, dh = 200, 2, 72
     q, k, v = (jnp.asarray(rng.standard_normal((n, h, dh)), jnp.float32) for _ in range(3))
     seg = jnp.asarray(np.r_[np.full(70, 1), np.full(110, 2), np.zeros(20)], jnp.int32)
-    want = blocked_segment_attention(q, k, v, seg, scale=dh ** -0.5, block=64)
-    got = splash_segment_attention(q, k, v, seg, scale=dh ** -0.5, interpret=True)
-    np.testing.assert_allclose(np.asarray(got)[:180], np.asarray(want)[:180], rtol=0, atol=2e-5)
+    cot = jnp.asarray(rng.standard_normal((n, h, dh)), jnp.float32).at[180:].set(0)   # padding rows dropped
+
+    def run(fn):
+        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg, scale=dh ** -0.5), q, k, v)
+        return [np.asarray(o)[:180]] + [np.asarray(g) for g in vjp(cot)]
+
+    want = run(lambda *a, **kw: blocked_segment_attention(*a, block=64, **kw))
+    got = run(lambda *a, **kw: splash_segment_attention(*a, interpret=True, **kw))
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -248,4 +276,14 @@ def test_released_configs_have_the_documented_tower_sizes():
         sizes = {k: sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(getattr(enc, k))))
                  for k in ("vision_tower", "mm_projector")}
         assert abs(sizes["vision_tower"] - tower) < 0.05e6 and abs(sizes["mm_projector"] - proj) < 0.05e6, (name, sizes)
+        mesh = S.make_mesh(C.override(cfg, {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2}))
+        for path, v in nnx.to_flat_state(nnx.state(enc)):
+            sh = S.param_sharding(mesh, v.shape, v.get_metadata()["axes"])
+            if v.get_metadata()["matrix"] is not None or path[-1] == "pos_emb":   # not the vectors
+                assert sh.num_devices == 8 and sh.shard_shape(v.shape) != v.shape, (path, sh)
     assert not C.load(BASE, ["model_name=kimi-k3"]).vision.vision_enabled
+    tiny = C.load(BASE, K3)
+    st = {".".join(map(str, p)): np.asarray(v.get_value())
+          for p, v in nnx.to_flat_state(jax.jit(lambda: nnx.state(build_vision(tiny, 0)))())}
+    assert np.all(st["vision_tower.blocks.norm0.weight"] == 1) and np.all(st["mm_projector.post_norm.weight"] == 1)
+    assert abs(st["vision_tower.blocks.wqkv"].std() / tiny.model.initializer_range - 1) < 0.05

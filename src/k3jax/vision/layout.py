@@ -73,17 +73,22 @@ def counts(vcfg, grid_thw) -> tuple[int, int]:
     return int((grid.prod(1)).sum()), int((grid[:, 1] // k * (grid[:, 2] // k)).sum())
 
 
-def media_layout(vcfg, grid_thw, num_patches: int | None = None, num_tokens: int | None = None) -> dict:
+def media_layout(vcfg, grid_thw, num_patches: int | None = None, num_tokens: int | None = None,
+                 max_frames: int | None = None) -> dict:
     """The packed layout of ``grid_thw`` as numpy arrays (module docstring), padded to
     ``num_patches`` rows and ``num_tokens`` merged tokens (default: exactly the real counts).
-    Also returns the real counts as Python ints under "real_patches" and "real_tokens"."""
+    ``max_frames`` sizes the merge gather's frame axis (default vision_pos_emb_time; 1 for
+    image-only batches such as K3's, a quarter of the gather). Also returns the real counts as
+    Python ints under "real_patches" and "real_tokens"."""
     grid = check_grid(vcfg, grid_thw)
     real_p, real_t = counts(vcfg, grid)
     n = real_p if num_patches is None else num_patches
     m = real_t if num_tokens is None else num_tokens
     if n < real_p or m < real_t:
         raise ValueError(f"the media need {real_p} patches and {real_t} tokens but the buckets hold {n} and {m}")
-    k, tmax = vcfg.vision_merge_kernel_size, vcfg.vision_pos_emb_time
+    k, tmax = vcfg.vision_merge_kernel_size, max_frames or vcfg.vision_pos_emb_time
+    if grid[:, 0].max(initial=1) > tmax:
+        raise ValueError(f"a media item has {grid[:, 0].max()} frames but max_frames={tmax}")
     th, tw = vcfg.vision_pos_emb_height, vcfg.vision_pos_emb_width
     mode = vcfg.vision_pos_interp
     ntap = 2 if mode == "bilinear" else 4

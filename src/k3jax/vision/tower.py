@@ -70,6 +70,22 @@ def apply_rope(x, cos, sin):
     return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).reshape(n, h, dh).astype(x.dtype)
 
 
+POS_CHUNK = 1024   # patches per step of the position-table gather
+
+
+def _gather_taps(table, index, weight):
+    """sum_k weight[n, k] * table[index[n, k]] -> [N, D] f32, POS_CHUNK patches at a time: the
+    gathered [N, taps, D] block is never whole (K2.5's largest image, 16,384 patches x 16 bicubic
+    taps x 1152: 1.2 GB in f32; in chunks 77 MB, XLA:CPU's temp figures)."""
+    n = index.shape[0]
+    c = min(POS_CHUNK, n)
+    pad = -n % c
+    idx = jnp.pad(index, ((0, pad), (0, 0))).reshape(-1, c, index.shape[1])
+    w = jnp.pad(weight, ((0, pad), (0, 0))).reshape(-1, c, weight.shape[1])
+    out = jax.lax.map(lambda a: jnp.einsum("nk,nkd->nd", a[1], jnp.take(table, a[0], axis=0)), (idx, w))
+    return out.reshape(-1, table.shape[1])[:n]
+
+
 class PatchEmbed(nnx.Module):
     def __init__(self, vcfg, rngs, std: float, dtype=jnp.float32):
         p, d = vcfg.vision_patch_size, vcfg.vision_hidden_size
@@ -86,7 +102,7 @@ class PatchEmbed(nnx.Module):
         the temporal term of the patch's frame (row 0 = none)."""
         x = _linear(patches, self.proj, getattr(self, "proj_bias", None))
         table = self.pos_emb[...].astype(jnp.float32).reshape(-1, self.width)
-        pos = jnp.einsum("nk,nkd->nd", pos_weight, jnp.take(table, pos_index, axis=0))
+        pos = _gather_taps(table, pos_index, pos_weight)
         pos = pos + jnp.take(jnp.asarray(temporal_table(self.width, self.max_frames)), frames, axis=0)
         return (x.astype(jnp.float32) + pos).astype(x.dtype)
 
