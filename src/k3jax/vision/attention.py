@@ -33,10 +33,10 @@ def blocked_segment_attention(q, k, v, segment_ids, *, scale: float, block: int 
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def one(qb, sb):
-        logits = jnp.einsum("thd,shd->hts", qb, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.einsum("thk,shk->hts", qb, k, preferred_element_type=jnp.float32) * scale
         mask = (sb[:, None] == segment_ids[None, :])[None]
         p = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1)
-        return jnp.einsum("hts,shd->thd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(v.dtype)
+        return jnp.einsum("hts,shv->thv", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(v.dtype)
 
     o = jax.lax.map(lambda xs: one(*xs), (qp, sp))
     return o.reshape(nb * block, *v.shape[1:])[:n]

@@ -132,13 +132,15 @@ class VisionBlock(nnx.Module):
 
     def __call__(self, x, cos, sin, segment_ids, attention):
         n = x.shape[0]
-        qkv = _linear(self.norm0(x), self.wqkv, getattr(self, "wqkv_bias", None))
-        qkv = qkv.reshape(n, 3, self.heads, self.head_dim)
-        q, k = apply_rope(qkv[:, 0], cos, sin), apply_rope(qkv[:, 1], cos, sin)
-        o = attention(q, k, qkv[:, 2], segment_ids, scale=self.head_dim ** -0.5)
-        x = x + _linear(o.reshape(n, -1), self.wo, getattr(self, "wo_bias", None))
-        h = self.act(_linear(self.norm1(x), self.fc0, getattr(self, "fc0_bias", None)))
-        return x + _linear(h, self.fc1, getattr(self, "fc1_bias", None))
+        with jax.named_scope("attention"):
+            qkv = _linear(self.norm0(x), self.wqkv, getattr(self, "wqkv_bias", None))
+            qkv = qkv.reshape(n, 3, self.heads, self.head_dim)
+            q, k = apply_rope(qkv[:, 0], cos, sin), apply_rope(qkv[:, 1], cos, sin)
+            o = attention(q, k, qkv[:, 2], segment_ids, scale=self.head_dim ** -0.5)
+            x = x + _linear(o.reshape(n, -1), self.wo, getattr(self, "wo_bias", None))
+        with jax.named_scope("mlp"):
+            h = self.act(_linear(self.norm1(x), self.fc0, getattr(self, "fc0_bias", None)))
+            return x + _linear(h, self.fc1, getattr(self, "fc1_bias", None))
 
 
 class VisionTower(nnx.Module):
@@ -154,8 +156,9 @@ class VisionTower(nnx.Module):
 
     def __call__(self, patches, layout, *, remat: bool = False, per_layer: bool = False):
         """-> hidden [N, D] (with ``per_layer``: also every block's output, [L, N, D], before the final norm)."""
-        x = self.patch_embed(patches.reshape(patches.shape[0], -1).astype(self.compute_dtype),
-                             layout["pos_index"], layout["pos_weight"], layout["frames"])
+        with jax.named_scope("patch_embed"):
+            x = self.patch_embed(patches.reshape(patches.shape[0], -1).astype(self.compute_dtype),
+                                 layout["pos_index"], layout["pos_weight"], layout["frames"])
         cos, sin = rope_tables(self.vcfg, layout["rows"], layout["cols"])
         seg = layout["segment_ids"]
         gdef, state = nnx.split(self.blocks)
@@ -220,4 +223,8 @@ class VisionEncoder(nnx.Module):
     def __call__(self, patches, layout, *, remat: bool = False):
         """patches [N, 3pp] + layout arrays -> features [M, text_hidden] (M = the token bucket;
         rows past the layout's real tokens are padding)."""
-        return self.mm_projector(merge_patches(self.vision_tower(patches, layout, remat=remat), layout))
+        hidden = self.vision_tower(patches, layout, remat=remat)
+        with jax.named_scope("merge"):
+            merged = merge_patches(hidden, layout)
+        with jax.named_scope("projector"):
+            return self.mm_projector(merged)
