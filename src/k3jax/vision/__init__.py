@@ -16,7 +16,7 @@ from flax import nnx
 
 from k3jax.layers.common import CountingSampler, FlatSampler
 
-from k3jax.vision.layout import ARRAY_KEYS, bucket, counts, media_layout  # noqa: F401
+from k3jax.vision.layout import ARRAY_KEYS, counts, media_layout  # noqa: F401
 from k3jax.vision.tower import Projector, VisionEncoder, VisionTower, merge_patches  # noqa: F401
 
 

@@ -19,7 +19,6 @@ of every frame, weight 1/t (sd2_tpool's mean over frames); padding tokens have z
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -131,8 +130,3 @@ def media_layout(vcfg, grid_thw, num_patches: int | None = None, num_tokens: int
 
 ARRAY_KEYS = ("segment_ids", "rows", "cols", "frames", "pos_index", "pos_weight", "merge_index", "merge_weight")
 
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """A padded size for ``n`` rows: the next power of two >= max(n, minimum), so a handful of
-    shapes cover every count (each ~2x the last; at most half of a bucket is padding)."""
-    return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
