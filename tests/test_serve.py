@@ -269,6 +269,46 @@ def test_chat_stop_seed_metrics(served):
     assert float(count.split()[-1]) >= 1
 
 
+def test_tool_choice_named_on_the_model(served):
+    """tool_choice names a function: the prompt gets the section and call header as forced tokens
+    (usage counts them), and streaming and non-streaming return the same parsed message. The
+    untrained model's arguments decide the outcome: a call, or (never closed) the forced text back
+    as content with finish_reason unchanged and the failure counted."""
+    from k3jax.serve import toolcalls
+
+    c, name, tok = served.client, served.name, served.tok
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "w"}]    # short: 96-token context
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    kw = dict(model=name, messages=msgs, tools=tools, max_tokens=6, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "f"}})
+    g = toolcalls.Grammar.of(tok)
+    head = g.section_open() + g.call_header("functions.f:0")
+
+    def failures():
+        return sum(float(line.split()[-1]) for line in urlget(served.url, "/metrics").splitlines()
+                   if line.startswith("k3jax_tool_call_parse_failures_total{"))
+    before = failures()
+    full = c.chat.completions.create(**kw)
+    assert full.usage.prompt_tokens == len(chat_ids(tok, msgs, tools=tools)) + len(head)
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    choice = full.choices[0]
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    if choice.finish_reason == "tool_calls":
+        assert [t.function.name for t in choice.message.tool_calls] == ["f"]
+        assert calls[0].id == choice.message.tool_calls[0].id == "functions.f:0"
+    else:
+        assert choice.finish_reason in ("length", "stop") and not calls and not choice.message.tool_calls
+        assert choice.message.content == text and text.startswith(tok.decode(head))
+        assert failures() == before + 2
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    for bad, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                       ({"logit_bias": {"3": 5}}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**dict(kw, **bad))
+        assert e.value.body["param"] == param
+
+
 def urlget(url, path):
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)

@@ -192,13 +192,15 @@ def render_with_jinja(model_dir: str | os.PathLike, messages: Sequence[Message],
                          tools=tools)
 
 
-def _render_jinja(template: str, messages, *, add_generation_prompt: bool, tools) -> str:
+def _render_jinja(template: str, messages, *, add_generation_prompt: bool, tools, **kwargs) -> str:
     """transformers' renderer (the engine behind `apply_chat_template`: an immutable sandboxed
-    jinja2 environment, so a template can call no Python beyond its filters) on a template string."""
+    jinja2 environment, so a template can call no Python beyond its filters) on a template string;
+    `kwargs` become template variables (e.g. K2.5's `thinking`)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(conversations=[list(messages)], tools=list(tools) if tools else None,
-                                        chat_template=template, add_generation_prompt=add_generation_prompt)
+                                        chat_template=template, add_generation_prompt=add_generation_prompt,
+                                        **kwargs)
     return rendered[0]
 
 
@@ -207,7 +209,8 @@ def _specials_in(text: str, tokenizer: KimiTokenizer) -> list[str]:
 
 
 def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+             tools: Sequence[Mapping[str, Any]] | None = None,
+             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """A conversation -> prompt ids in the checkpoint's own chat markup; the text messages carry
     (content, names, tool-call ids and arguments) stays ORDINARY text, so a user typing
     `<|im_end|>` or `<|end_of_msg|>` cannot close a turn.
@@ -220,7 +223,9 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
     string that contains a special-token name is refused (ValueError): its rendering no longer says
     which characters came from the user. Without a template, the built-in K2 markup (`render`).
     Tool schemas are rendered by the template itself (tojson), so they must not contain
-    special-token names either.
+    special-token names either. `template_kwargs` are extra template variables (vLLM's
+    `chat_template_kwargs`, e.g. `{"thinking": False}`); a template that reads none ignores them,
+    as does the built-in markup.
     """
     template = tokenizer.chat_template
     if template is None:
@@ -243,7 +248,7 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
     for m in messages:
         m = dict(m)
         m["content"] = mark(_content_text(m))
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if key in m:
                 m[key] = mark(m[key])
         if m.get("tool_calls"):
@@ -252,7 +257,7 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
                                for c in m["tool_calls"]]
         marked.append(m)
     plain = [dict(m, content=_content_text(m)) for m in messages]
-    kw = dict(add_generation_prompt=add_generation_prompt, tools=tools)
+    kw = dict(template_kwargs or {}, add_generation_prompt=add_generation_prompt, tools=tools)
     real = _render_jinja(template, plain, **kw)
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", _render_jinja(template, marked, **kw))
     # pieces alternate: template text, marker index, template text, ...

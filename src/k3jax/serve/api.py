@@ -14,6 +14,7 @@ cancels its request, which frees its slot at the engine's next iteration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3jax.data.chat_template import chat_ids
 from k3jax.serve import protocol as proto
+from k3jax.serve import toolcalls
 from k3jax.serve.engine import Draining, QueueFull, Request
 
 RETRY_AFTER_S = 1
@@ -38,6 +40,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                metrics=None) -> FastAPI:
     """The ASGI app. ``context`` = cache positions per slot (prompt + completion must fit)."""
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, openapi_url=None)
+    grammar = toolcalls.Grammar.of(tokenizer)
+    stop_ids = frozenset(getattr(engine, "stop_ids", ()))
 
     @app.exception_handler(proto.ApiError)
     async def api_error(_, e: proto.ApiError):
@@ -90,6 +94,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
     async def completions(body: proto.CompletionRequest, request: HttpRequest):
         check_key(request)
         check_model(body.model)
+        proto.check_unsupported(body)
         ids = _prompt_ids(body.prompt, tokenizer)
         k = body.logprobs
         if k is not None and not 0 <= k <= proto.MAX_LOGPROBS:
@@ -102,12 +107,24 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
     async def chat(body: proto.ChatRequest, request: HttpRequest):
         check_key(request)
         check_model(body.model)
+        proto.check_unsupported(body)
         if not body.messages:
             raise proto.ApiError(400, "messages: must contain at least one message", param="messages")
+        choice, name, names = proto.tool_choice(body)
+        if choice in ("required", "named") and grammar is None:
+            raise proto.ApiError(400, f"tool_choice={body.tool_choice!r}: this model's tokenizer has no tool-call "
+                                 "markup", param="tool_choice")
         try:
-            ids = chat_ids(tokenizer, body.messages, tools=body.tools)
+            ids = chat_ids(tokenizer, body.messages, tools=body.tools if choice != "none" else None,
+                           template_kwargs=proto.template_kwargs(body))
         except (ValueError, KeyError, TypeError) as e:
             raise proto.ApiError(400, f"messages: {e}", param="messages") from None
+        forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
+            grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
+                                                  if isinstance(m, dict) and m.get("role") == "assistant"))
+        ids = ids + forced
+        parse = dict(tools=names if choice != "none" else None, prime=prime,
+                     parallel=body.parallel_tool_calls is not False and choice != "named")
         k = None
         if body.logprobs:
             k = body.top_logprobs or 0
@@ -118,9 +135,9 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         n = proto.max_tokens(want, len(ids), context, default=None, param=param)
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
-        return await _serve(request, body, ids, n, out)
+        return await _serve(request, body, ids, n, out, parse)
 
-    async def _serve(http: HttpRequest, body, ids: list[int], n: int, out: proto.Body):
+    async def _serve(http: HttpRequest, body, ids: list[int], n: int, out: proto.Body, parse: dict | None = None):
         s = proto.sampling(body)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -136,10 +153,47 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             raise proto.ApiError(503, str(e), type="server_error", code="shutting_down") from None
         except RuntimeError as e:      # the engine thread died (its traceback is in the server log)
             raise proto.ApiError(503, str(e), type="server_error", code="engine_stopped") from None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if parse is not None:
+            turn = _ChatTurn(toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse), stop_ids,
+                             s["ignore_eos"], lambda: engine.cancel(req), metrics)
+            if body.stream:
+                return StreamingResponse(_chat_stream(req, events, out, include_usage, turn),
+                                         media_type="text/event-stream")
+            return await _collect(http, req, events, out, turn)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(req, events, out, include_usage), media_type="text/event-stream")
         return await _collect(http, req, events, out)
+
+    async def _chat_stream(req: Request, events: asyncio.Queue, out: proto.Body, include_usage: bool,
+                           turn: _ChatTurn):
+        first, finish, ev = True, None, None
+        try:
+            while finish is None:
+                ev = await events.get()
+                if ev.finish_reason in ("cancelled", "error"):
+                    finish = ev.finish_reason
+                    break
+                parsed, finish = turn.step(ev)
+                deltas = toolcalls.deltas(parsed)
+                if first:
+                    deltas.insert(0, {"role": "assistant", "content": ""})
+                    first = False
+                if not deltas and (ev.logprobs or finish):
+                    deltas = [{}]
+                for i, d in enumerate(deltas):
+                    yield _sse(out.delta_chunk(d, ev.logprobs if i == 0 else [],
+                                               finish if i == len(deltas) - 1 else None))
+            if finish == "error":
+                yield _sse(proto.ApiError(500, "the engine failed", type="server_error").body())
+            elif include_usage and turn.last is not None:
+                yield _sse(out.usage_chunk(turn.last.prompt_tokens, turn.last.completion_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            if finish is None:          # the client went away (the generator was closed): free the slot
+                engine.cancel(req)
+            if metrics is not None:
+                metrics.finished(finish or "disconnected")
 
     async def _stream(req: Request, events: asyncio.Queue, out: proto.Body, include_usage: bool):
         first, finish, ev = out.kind == "chat", None, None
@@ -163,9 +217,10 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             if metrics is not None:
                 metrics.finished(finish or "disconnected")
 
-    async def _collect(http: HttpRequest, req: Request, events: asyncio.Queue, out: proto.Body):
+    async def _collect(http: HttpRequest, req: Request, events: asyncio.Queue, out: proto.Body,
+                       turn: _ChatTurn | None = None):
         text, entries, ev = [], [], None
-        getter = asyncio.ensure_future(_drain(events, text, entries))
+        getter = asyncio.ensure_future(_drain(events, text, entries, turn))
         try:
             while not getter.done():
                 await asyncio.wait({getter}, timeout=0.5)
@@ -180,16 +235,61 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             metrics.finished(ev.finish_reason)
         if ev.finish_reason == "error":
             raise proto.ApiError(500, "the engine failed", type="server_error")
+        if turn is not None:
+            last = turn.last or ev
+            return out.chat_full(toolcalls.message(text), entries, ev.finish_reason, last.prompt_tokens,
+                                 last.completion_tokens)
         return out.full("".join(text), entries, ev.finish_reason, ev.prompt_tokens, ev.completion_tokens)
 
     return app
 
 
-async def _drain(events: asyncio.Queue, text: list, entries: list):
+class _ChatTurn:
+    """One chat request: engine events -> parser events (content, reasoning, tool calls) and the
+    finish reason ("tool_calls" when calls were returned). With parallel_tool_calls=false the
+    generation is cancelled at the first complete call."""
+
+    def __init__(self, parser: toolcalls.Parser, stop_ids, ignore_eos: bool, cancel, metrics):
+        self.parser, self.stop_ids, self.ignore_eos, self.cancel, self.metrics = (
+            parser, stop_ids, ignore_eos, cancel, metrics)
+        self.last = None            # the last engine event that counted (usage)
+
+    def step(self, ev) -> tuple[list[tuple], str | None]:
+        p = self.parser
+        self.last = ev
+        parsed: list[tuple] = []
+        for t in ev.tokens:
+            if ev.finish_reason == "stop" and t in self.stop_ids and not self.ignore_eos:
+                continue            # the end-of-message token is not text
+            parsed += p.feed(t)
+        finish = ev.finish_reason
+        if p.done:                  # parallel_tool_calls=false: the first call is complete
+            self.cancel()
+            finish = "tool_calls"
+        elif finish is not None:
+            parsed += p.finish()
+            if p.released:
+                finish = "tool_calls"
+        if finish is not None and self.metrics is not None:
+            self.metrics.parsed(p.released, p.failures)
+        return parsed, finish
+
+
+async def _drain(events: asyncio.Queue, text: list, entries: list, turn: _ChatTurn | None = None):
+    """Events until the finish -> the last event; text (or, for chat, parser events) and logprob entries
+    appended."""
     while True:
         ev = await events.get()
-        text.append(ev.text)
         entries.extend(ev.logprobs)
+        if turn is not None:
+            if ev.finish_reason in ("cancelled", "error"):
+                return ev
+            parsed, finish = turn.step(ev)
+            text.extend(parsed)
+            if finish is not None:
+                return dataclasses.replace(ev, finish_reason=finish)
+            continue
+        text.append(ev.text)
         if ev.finish_reason is not None:
             return ev
 

@@ -34,6 +34,10 @@ class ServeMetrics:
         self.prefix_reused = Counter("k3jax_prefix_cache_reused_tokens", "prompt tokens restored instead of "
                                      "prefilled", registry=r)
         self.prefix_bytes = Gauge("k3jax_prefix_cache_bytes", "bytes held by the prefix cache", registry=r)
+        self.tool_calls = Counter("k3jax_tool_calls", "tool calls returned in chat responses", registry=r)
+        self.tool_call_failures = Counter("k3jax_tool_call_parse_failures", "tool-call sections returned as text "
+                                          "instead (bad_json, unknown_function, bad_id, unclosed, ...)", ["reason"],
+                                          registry=r)
         self._stats = stats
         self._recent: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -56,6 +60,12 @@ class ServeMetrics:
 
     def finished(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
+
+    def parsed(self, calls: int, failures: list[str]) -> None:
+        """One chat response's tool calls, and the reasons its malformed sections came back as text."""
+        self.tool_calls.inc(calls)
+        for reason in failures:
+            self.tool_call_failures.labels(reason=reason).inc()
 
     def tokens_per_second(self) -> float:
         now = time.monotonic()

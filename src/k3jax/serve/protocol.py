@@ -1,5 +1,7 @@
-"""OpenAI request bodies (pydantic; unknown fields ignored) and the response / chunk bodies built from
-engine events. Field meanings follow the OpenAI API reference; ``top_k`` is an extension (as in vLLM).
+"""OpenAI request bodies (pydantic) and the response / chunk bodies built from engine events. Field
+meanings follow the OpenAI API reference; ``top_k``, ``chat_template_kwargs`` are extensions (as in
+vLLM). An unknown field is ignored unless it would change the output and k3jax does not implement it
+(``UNSUPPORTED``): then the request is a 400 naming it.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")       # kept for check_unsupported, otherwise unused
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -59,6 +61,80 @@ class ChatRequest(_Common):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def _off(value) -> bool:
+    return value in (None, False, 0, 0.0, "", [], {})
+
+
+# Fields that change what is generated and that k3jax does not implement -> 400 unless the value is
+# the neutral one. Everything else unknown (user, metadata, store, service_tier, ...) is ignored.
+UNSUPPORTED = {
+    "logit_bias": _off, "presence_penalty": _off, "frequency_penalty": _off,
+    "repetition_penalty": lambda v: v in (None, 1, 1.0), "min_p": _off, "min_tokens": _off,
+    "best_of": lambda v: v in (None, 1), "suffix": _off, "use_beam_search": _off,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
+    "functions": _off, "function_call": _off, "reasoning_effort": _off,
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "structured_outputs": _off, "bad_words": _off, "allowed_token_ids": _off, "stop_token_ids": _off,
+    "logits_processors": _off, "prompt_logprobs": _off, "truncate_prompt_tokens": _off,
+    "audio": _off, "modalities": lambda v: v in (None, ["text"]), "web_search_options": _off,
+}
+# Names the chat template renderer itself passes; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversations", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask")
+
+
+def check_unsupported(req: _Common) -> None:
+    """A 400 naming the first field that would change the output and is not implemented."""
+    for field, value in (req.model_extra or {}).items():
+        ok = UNSUPPORTED.get(field)
+        if ok is not None and not ok(value):
+            raise ApiError(400, f"{field}: not supported by this server (it would change the output); "
+                           "remove it", param=field, code="unsupported_parameter")
+
+
+def tool_choice(req: ChatRequest) -> tuple[str, str | None, list[str]]:
+    """-> (mode: "none" | "auto" | "required" | "named", the named function or None, the names of
+    the request's tools). OpenAI's default: "auto" with tools, "none" without."""
+    names = []
+    for i, t in enumerate(req.tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ApiError(400, f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           param="tools")
+        names.append(fn["name"])
+    c = req.tool_choice
+    if c is None:
+        return ("auto" if names else "none"), None, names
+    if isinstance(c, dict):
+        fn = c.get("function")
+        if c.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, 'tool_choice: must be "none", "auto", "required" or '
+                           '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        if fn["name"] not in names:
+            raise ApiError(400, f"tool_choice: the function {fn['name']!r} is not among the request's tools "
+                           f"{names}", param="tool_choice")
+        return "named", fn["name"], names
+    if c not in ("none", "auto", "required"):
+        raise ApiError(400, f'tool_choice={c!r}: must be "none", "auto", "required" or a named function',
+                       param="tool_choice")
+    if c == "required" and not names:
+        raise ApiError(400, 'tool_choice="required" needs tools', param="tool_choice")
+    return c, None, names
+
+
+def template_kwargs(req: ChatRequest) -> dict:
+    kw = dict(req.chat_template_kwargs or {})
+    bad = [k for k in kw if k in RESERVED_TEMPLATE_KWARGS]
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs: {bad[0]!r} is set by the server, not by a kwarg",
+                       param="chat_template_kwargs")
+    return kw
 
 
 def sampling(req: _Common) -> dict:
@@ -160,6 +236,15 @@ class Body:
                                                                  "finish_reason": finish}])
         self.offset += len(text)
         return body
+
+    def delta_chunk(self, delta: dict, entries: list[dict], finish: str | None) -> dict:
+        """A chat chunk with a given delta (content, reasoning_content or tool_calls)."""
+        choice = {"index": 0, "delta": delta, "logprobs": self._lp(entries), "finish_reason": finish}
+        return dict(self._head("chat.completion.chunk"), choices=[choice])
+
+    def chat_full(self, message: dict, entries: list[dict], finish: str, prompt: int, completion: int) -> dict:
+        choice = {"index": 0, "message": message, "logprobs": self._lp(entries), "finish_reason": finish}
+        return dict(self._head("chat.completion"), choices=[choice], usage=usage(prompt, completion))
 
     def usage_chunk(self, prompt: int, completion: int) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -1,0 +1,433 @@
+"""Tool calls and thinking parsed out of generated ids (serve/toolcalls.py): parse(render(x)) == x
+through each template family's renderer, malformed output as text, tool_choice forcing, and the HTTP
+shapes (message.tool_calls, streamed delta.tool_calls, reasoning_content, the 400s) through the real
+routes over a scripted engine that replays token ids (no model: nothing compiles)."""
+import json
+import types
+
+import openai
+import pytest
+
+from k3jax.data import chat_template, tiny_tokenizer
+from k3jax.data.tokenizer import KimiTokenizer
+from k3jax.serve import toolcalls
+from k3jax.serve.api import create_app
+from k3jax.serve.engine import Event
+from k3jax.serve.metrics import ServeMetrics
+
+# A K2.5-shaped template (formats.md §3.5: assistant turns start with <think>...</think>, the
+# generation prompt ends with <think>, or <think></think> with thinking=false): the tiny K2
+# template plus the thinking parts.
+K25_TEMPLATE = tiny_tokenizer.KIMI_CHAT_TEMPLATE.replace(
+    "{{ message.get('name') or role }}<|im_middle|>",
+    "{{ message.get('name') or role }}<|im_middle|>"
+    "{%- if role == 'assistant' -%}<think>{{ message.get('reasoning_content') or '' }}</think>{%- endif -%}",
+).replace(
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}",
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}")
+assert K25_TEMPLATE.count("<think>") == 3
+
+# A stand-in for K3's template (not available offline): K3's tag markup (formats.md §3.4:
+# <|open|>TAG<|sep|>BODY<|close|>, assistant turns end with <|end_of_msg|>) with thinking as
+# <|open|>think<|sep|> and K2's tool-call grammar written in the same markup. The golden below
+# pins what toolcalls.py expects; a real K3 template must render the same string.
+K3_TEMPLATE = (
+    "{%- if tools -%}<|open|>tool_declare<|sep|>{{ tools | tojson }}<|close|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "<|open|>{{ m['role'] }}<|sep|>"
+    "{%- if m['role'] == 'tool' -%}## Return of {{ m['tool_call_id'] }}{{ '\\n' }}{%- endif -%}"
+    "{%- if m['role'] == 'assistant' and m.get('reasoning_content') -%}"
+    "<|open|>think<|sep|>{{ m['reasoning_content'] }}<|close|>{%- endif -%}"
+    "{{ m['content'] or '' }}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}<|open|>tool_calls<|sep|>"
+    "{%- for c in m['tool_calls'] -%}"
+    "<|open|>{{ c.get('id') or ('functions.' ~ c['function']['name'] ~ ':' ~ loop.index0) }}<|sep|>"
+    "{%- if c['function']['arguments'] is string -%}{{ c['function']['arguments'] }}"
+    "{%- else -%}{{ c['function']['arguments'] | tojson }}{%- endif -%}<|close|>"
+    "{%- endfor -%}<|close|>{%- endif -%}"
+    "{%- if m['role'] == 'assistant' -%}<|end_of_msg|>{%- endif -%}<|close|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|open|>assistant<|sep|>"
+    "{%- if not (thinking is defined and thinking is false) -%}<|open|>think<|sep|>{%- endif -%}"
+    "{%- endif -%}")
+K3_NAMES = {2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
+
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+         for n in ("get_weather", "search", "calc")]
+NAMES = [t["function"]["name"] for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_tokenizer.build(tmp_path_factory.mktemp("tiny"), vocab_size=512,
+                                num_reserved=tiny_tokenizer.MIN_RESERVED)
+
+
+def _tok(tiny_dir, template):
+    tok = KimiTokenizer.from_dir(tiny_dir)
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def k3_tok(tiny_dir, tmp_path_factory):
+    """The tiny tokenizer with K3's names in the block (K2's <|im_*|> names become reserved)."""
+    d = tmp_path_factory.mktemp("k3")
+    cfg = json.loads(open(f"{tiny_dir}/tokenizer_config.json").read())
+    n_base = min(int(i) for i in cfg["added_tokens_decoder"])
+    for off, name in K3_NAMES.items():
+        cfg["added_tokens_decoder"][str(n_base + off)]["content"] = name
+    for i, entry in cfg["added_tokens_decoder"].items():
+        if entry["content"].startswith("<|im_"):
+            entry["content"] = f"<|reserved_token_{i}|>"
+    cfg["chat_template"] = K3_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "tiktoken.model").write_bytes(open(f"{tiny_dir}/tiktoken.model", "rb").read())
+    return KimiTokenizer.from_dir(d)
+
+
+@pytest.fixture(scope="module")
+def toks(tiny_dir, k3_tok):
+    """family -> tokenizer: the built-in K2 markup (no template), the tiny K2 jinja template, K2.5's
+    thinking template, K3's stand-in."""
+    return {"k2-builtin": _tok(tiny_dir, None), "k2": _tok(tiny_dir, tiny_tokenizer.KIMI_CHAT_TEMPLATE),
+            "k2.5": _tok(tiny_dir, K25_TEMPLATE), "k3": k3_tok}
+
+
+def call(name, args, idx):
+    return {"id": f"functions.{name}:{idx}", "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+CASES = {
+    "one call": dict(content="Let me look.", reasoning_content="The user wants weather.",
+                     tool_calls=[call("get_weather", {"city": "Paris"}, 0)]),
+    "parallel, unicode, nested, specials": dict(
+        content=None, reasoning_content="三 calls at once ☕",
+        tool_calls=[call("get_weather", {"city": "東京", "note": "café ☕ 🚀"}, 3),
+                    call("search", {"q": {"nested": [1, 2.5, {"c": None, "d": [True, False]}]}, "e": []}, 4),
+                    call("calc", '{"expr": "a\\"b\\\\c\\n\\t}{", "tokens": "<|tool_call_end|></think><|close|>'
+                                 '<|open|><|sep|><|im_end|><|end_of_msg|>"}', 5)]),
+    "compact json": dict(content="", reasoning_content=None, tool_calls=[call("calc", '{"x":1,"y":[2,3]}', 0)]),
+    "text only": dict(content="No tools needed: <|tool_calls_section_begin|> is just text.",
+                      reasoning_content="short", tool_calls=None),
+}
+
+
+def _expected(case, family):
+    want = {"role": "assistant", "content": case["content"], "reasoning_content": case["reasoning_content"]}
+    if family.startswith("k2") and family != "k2.5":
+        want["reasoning_content"] = None              # K2-Instruct's markup has no thinking
+    if case["tool_calls"]:
+        want["tool_calls"] = case["tool_calls"]
+        want["content"] = want["content"] or None
+    else:
+        want["content"] = want["content"] or ""
+    return want
+
+
+def _generated(tok, case, kwargs=None):
+    """render(conversation + assistant x) minus render(conversation, generation prompt) -> (the prompt,
+    the ids the model would generate for x, up to its end-of-message token)."""
+    user = [{"role": "user", "content": "weather in Paris and Tokyo?"}]
+    x = {"role": "assistant", **{k: v for k, v in case.items() if v is not None}}
+    prompt = chat_template.chat_ids(tok, user, tools=TOOLS, template_kwargs=kwargs)
+    full = chat_template.chat_ids(tok, user + [x], tools=TOOLS, add_generation_prompt=False, template_kwargs=kwargs)
+    assert full[:len(prompt)] == prompt
+    rest = full[len(prompt):]
+    return prompt, rest[:rest.index(tok.im_end_id)]
+
+
+def _parse(tok, prompt, ids, *, tools=NAMES, choice="auto", name=None, index=0, stop=(), parallel=True):
+    g = toolcalls.Grammar.of(tok)
+    forced, prime = toolcalls.forced_tokens(g, prompt, choice, name, index)
+    p = toolcalls.Parser(g, tok, tools=tools, stop=stop, parallel=parallel, prime=prime)
+    events = [e for t in ids for e in p.feed(t)] + p.finish()
+    return p, events, forced
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", ["k2-builtin", "k2", "k2.5", "k3"])
+def test_parse_of_render_is_identity(toks, family, case):
+    tok, x = toks[family], CASES[case]
+    if family.startswith("k2") and family != "k2.5":
+        x = dict(x, reasoning_content=None)
+    kwargs = {"thinking": False} if family == "k3" and not x["reasoning_content"] else None
+    prompt, ids = _generated(tok, x, kwargs)
+    p, events, _ = _parse(tok, prompt, ids)
+    want = _expected(x, family)
+    assert toolcalls.message(events) == want and not p.failures
+    # The stream's deltas, accumulated as an OpenAI client does, give the same message.
+    assert _accumulate(toolcalls.deltas(events)) == want
+
+
+def _accumulate(deltas):
+    msg = {"role": "assistant", "content": None, "reasoning_content": None}
+    calls = []
+    for d in deltas:
+        for key in ("content", "reasoning_content"):
+            if key in d:
+                msg[key] = (msg[key] or "") + d[key]
+        for c in d.get("tool_calls", []):
+            if c["index"] == len(calls):
+                assert set(c) == {"index", "id", "type", "function"} and c["function"]["arguments"] == ""
+                calls.append({"id": c["id"], "type": c["type"], "function": dict(c["function"])})
+            else:
+                assert set(c) == {"index", "function"}
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+    if calls:
+        msg["tool_calls"] = calls
+    elif msg["content"] is None:
+        msg["content"] = ""
+    return msg
+
+
+def test_k3_golden_rendering(toks):
+    """What toolcalls.py reads as K3's grammar (inferred: K2's grammar in K3's tag markup)."""
+    tok = toks["k3"]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Checking.", "reasoning_content": "need weather",
+             "tool_calls": [call("get_weather", {"city": "Paris"}, 0), call("calc", '{"x": 1}', 1)]},
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    text = tok.decode(chat_template.chat_ids(tok, msgs))
+    assert text == (
+        "<|open|>user<|sep|>hi<|close|>"
+        "<|open|>assistant<|sep|><|open|>think<|sep|>need weather<|close|>Checking."
+        "<|open|>tool_calls<|sep|>"
+        '<|open|>functions.get_weather:0<|sep|>{"city": "Paris"}<|close|>'
+        '<|open|>functions.calc:1<|sep|>{"x": 1}<|close|>'
+        "<|close|><|end_of_msg|><|close|>"
+        "<|open|>tool<|sep|>## Return of functions.get_weather:0\nsunny<|close|>"
+        "<|open|>assistant<|sep|><|open|>think<|sep|>")
+    g = toolcalls.Grammar.of(tok)
+    assert g.family == "k3" and tok.decode(g.section_open() + g.call_header("functions.calc:2")) == \
+        "<|open|>tool_calls<|sep|><|open|>functions.calc:2<|sep|>"
+    # chat_template_kwargs reach the template: thinking off ends the prompt at the assistant header.
+    off = tok.decode(chat_template.chat_ids(tok, msgs[:1], template_kwargs={"thinking": False, "unread": 1}))
+    assert off.endswith("<|open|>assistant<|sep|>")
+
+
+def test_reasoning_text_cannot_inject_markup(toks):
+    tok = toks["k2.5"]
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "x</think><|im_end|>y"}]
+    ids = chat_template.chat_ids(tok, msgs, add_generation_prompt=False)
+    assert ids.count(tok.token_id("</think>")) == 1 and ids.count(tok.im_end_id) == 3   # system, user, assistant
+
+
+def _section(tok, *calls, close=True):
+    """K2 ids: a section with (id text, arguments text) calls."""
+    sp = tok.special_ids
+    ids = [sp["<|tool_calls_section_begin|>"]]
+    for cid, args in calls:
+        ids += [sp["<|tool_call_begin|>"], *tok.encode(cid), sp["<|tool_call_argument_begin|>"], *tok.encode(args),
+                sp["<|tool_call_end|>"]]
+    return ids + ([sp["<|tool_calls_section_end|>"]] if close else [])
+
+
+@pytest.mark.parametrize("calls,close,reason", [
+    ([("functions.get_weather:0", '{"city": "Par')], True, "bad_json"),
+    ([("functions.get_weather:0", '["not", "an object"]')], True, "arguments_not_an_object"),
+    ([("functions.rm_rf:0", '{}')], True, "unknown_function"),
+    ([("get_weather", '{}')], True, "bad_id"),
+    ([("functions.get_weather:0", '{"a": 1}'), ("functions.search:1", '{"q": "x"}')], False, "unclosed"),
+    ([("functions.get_weather:0", '{"a": 1}'), ("functions.nope:1", '{}')], True, "unknown_function"),
+])
+def test_malformed_sections_come_back_as_text(toks, calls, close, reason):
+    tok = toks["k2"]
+    ids = tok.encode("Sure. ") + _section(tok, *calls, close=close)
+    p, events, _ = _parse(tok, [], ids)
+    msg = toolcalls.message(events)
+    assert msg == {"role": "assistant", "content": tok.decode(ids), "reasoning_content": None}
+    assert p.failures == [reason] and p.released == 0
+
+
+def test_unexpected_token_stop_strings_and_tools_off(toks):
+    tok, sp = toks["k2"], toks["k2"].special_ids
+    ids = _section(tok, ("functions.calc:0", '{"x": 1}'))
+    # A marker out of place inside a section: the section so far is text, what follows is parsed again.
+    bad = ids[:3] + [sp["<think>"]] + tok.encode("after")
+    p, events, _ = _parse(tok, [], bad)
+    assert toolcalls.message(events)["content"] == tok.decode(bad) and p.failures == ["unexpected_token"]
+    # tool_choice="none" (tools=None): the markers stay text, nothing is counted.
+    p, events, _ = _parse(tok, [], ids, tools=None)
+    assert toolcalls.message(events)["content"] == tok.decode(ids) and not p.failures
+    # A stop string cuts the content; reasoning after </think> is not content.
+    p, events, _ = _parse(tok, [sp["<think>"]], tok.encode("plan") + [sp["</think>"]] + tok.encode("hello world"),
+                          stop=("world",))
+    assert toolcalls.message(events) == {"role": "assistant", "content": "hello ", "reasoning_content": "plan"}
+
+
+def test_parallel_false_stops_at_the_first_call(toks):
+    tok = toks["k2"]
+    ids = _section(tok, ("functions.calc:0", '{"x": 1}'), ("functions.search:1", '{"q": "y"}'))
+    g = toolcalls.Grammar.of(tok)
+    p = toolcalls.Parser(g, tok, tools=NAMES, parallel=False)
+    events, used = [], 0
+    for t in ids:
+        events += p.feed(t)
+        used += 1
+        if p.done:
+            break
+    assert used == ids.index(tok.token_id("<|tool_call_end|>")) + 1
+    assert toolcalls.message(events)["tool_calls"] == [call("calc", '{"x": 1}', 0)]
+    assert events[-1] == ("section_end",)
+
+
+@pytest.mark.parametrize("family", ["k2", "k2.5", "k3"])
+def test_forced_tokens_prime_the_parser(toks, family):
+    """required opens the section, named also writes the call's header; the parser starts where the
+    model continues (after an open thinking block, which the forced tokens close)."""
+    tok = toks[family]
+    g = toolcalls.Grammar.of(tok)
+    prompt = chat_template.chat_ids(tok, [{"role": "user", "content": "hi"}], tools=TOOLS)
+    thinking = family != "k2"
+    assert (toolcalls.forced_tokens(g, prompt, "auto") == ([], g.think_open())) == thinking
+    forced, _ = toolcalls.forced_tokens(g, prompt, "required")
+    assert forced == (g.think_close() if thinking else []) + g.section_open()
+    forced, _ = toolcalls.forced_tokens(g, prompt, "named", "search", index=2)
+    head = g.section_open() + g.call_header("functions.search:2")
+    assert forced == (g.think_close() if thinking else []) + head
+    close = [g.ids["<|close|>"]] * 2 if family == "k3" else [g.ids["<|tool_call_end|>"], g.ids["<|tool_calls_section_end|>"]]
+    p, events, _ = _parse(tok, prompt, tok.encode('{"q": "jax"}') + close, choice="named", name="search",
+                          index=2, parallel=False)
+    assert toolcalls.message(events) == {"role": "assistant", "content": None, "reasoning_content": None,
+                                         "tool_calls": [call("search", '{"q": "jax"}', 2)]}
+    # Forced into the arguments, the model never closes the call: the forced text comes back as content.
+    p, events, _ = _parse(tok, prompt, tok.encode("zzz"), choice="named", name="search", index=2)
+    assert toolcalls.message(events)["content"] == tok.decode(head) + "zzz" and p.failures == ["unclosed"]
+
+
+# -- HTTP: the real routes over a scripted engine ---------------------------------------------------
+class ScriptedEngine:
+    """Engine's submit/cancel interface; replays ``script`` (token ids) as one Event per token, the last
+    with ``finish``. Records each request (prompt ids with forced tokens) and cancellations."""
+
+    def __init__(self, tok):
+        self.tok, self.error, self.stop_ids = tok, None, frozenset((tok.eos_id, tok.im_end_id))
+        self.script, self.finish, self.requests, self.cancelled = [], "stop", [], []
+
+    def submit(self, req):
+        self.requests.append(req)
+        n = len(self.script)
+        for i, t in enumerate(self.script):
+            req.sink(Event(tok_text(self.tok, t), [t], [], self.finish if i == n - 1 else None, len(req.prompt), i + 1))
+
+    def cancel(self, req):
+        self.cancelled.append(req)
+
+    def stats(self):
+        return {"queue": 0, "active": 0, "slots": 1}
+
+
+def tok_text(tok, t):
+    return tok.decode([t])
+
+
+@pytest.fixture(scope="module")
+def scripted(toks):
+    from test_serve import start_http
+
+    tok = toks["k2.5"]
+    engine = ScriptedEngine(tok)
+    metrics = ServeMetrics(engine.stats)
+    server, thread, url = start_http(create_app(engine, tok, model_name="m", context=4096, metrics=metrics))
+    yield types.SimpleNamespace(engine=engine, tok=tok, url=url, metrics=metrics,
+                                client=openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60))
+    server.should_exit = True
+    thread.join(30)
+
+
+def _both(s, script, finish="stop", **kw):
+    """The same scripted generation, non-streamed and streamed (accumulated) -> (message, finish) x 2."""
+    s.engine.script, s.engine.finish = script, finish
+    kw = dict(model="m", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, **kw)
+    full = s.client.chat.completions.create(**kw).choices[0]
+    msg = full.message.model_dump(exclude_none=False)
+    chunks = list(s.client.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    streamed = _accumulate([{k: v for k, v in d.items() if k != "role"} for d in deltas])
+    return (msg, full.finish_reason), (streamed, chunks[-1].choices[0].finish_reason)
+
+
+def test_http_tool_calls_and_reasoning(scripted):
+    s, tok = scripted, scripted.tok
+    x = CASES["parallel, unicode, nested, specials"]
+    _, ids = _generated(tok, x)
+    (msg, finish), (streamed, sfinish) = _both(s, ids + [tok.im_end_id])
+    assert finish == sfinish == "tool_calls"
+    assert msg["tool_calls"] == streamed["tool_calls"] == x["tool_calls"]
+    assert msg["reasoning_content"] == streamed["reasoning_content"] == x["reasoning_content"]
+    assert msg["content"] is None and streamed["content"] in (None, "")
+    assert s.engine.requests[-1].prompt == chat_template.chat_ids(     # auto: nothing forced
+        tok, [{"role": "user", "content": "weather?"}], tools=TOOLS)
+    # Malformed: text, finish unchanged, counted.
+    bad = tok.encode("ok ") + _section(tok, ("functions.get_weather:0", '{"city": '))
+    (msg, finish), (streamed, sfinish) = _both(s, [tok.token_id("</think>")] + bad + [tok.im_end_id])
+    assert finish == sfinish == "stop" and "tool_calls" not in {k for k, v in msg.items() if v}
+    assert msg["content"] == streamed["content"] == tok.decode(bad) and msg["reasoning_content"] is None
+    metrics = s.metrics.render().decode()
+    assert 'k3jax_tool_call_parse_failures_total{reason="bad_json"} 2.0' in metrics
+    assert "k3jax_tool_calls_total 6.0" in metrics
+
+
+def test_http_tool_choice_forcing_and_parallel_false(scripted):
+    s, tok = scripted, scripted.tok
+    g = toolcalls.Grammar.of(tok)
+    prompt = chat_template.chat_ids(tok, [{"role": "user", "content": "weather?"}], tools=TOOLS)
+    two = tok.encode('{"city": "Oslo"}') + [g.ids["<|tool_call_end|>"]] + _section(tok, ("functions.calc:1", "{}"))[1:]
+    (msg, finish), (streamed, _) = _both(s, two, finish="length",
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert s.engine.requests[-1].prompt == prompt + g.think_close() + g.section_open() + \
+        g.call_header("functions.get_weather:0")
+    assert finish == "tool_calls" and msg["tool_calls"] == streamed["tool_calls"] == [
+        call("get_weather", '{"city": "Oslo"}', 0)]
+    assert s.engine.cancelled[-1] is s.engine.requests[-1]       # generation ended at the first call
+    (msg, _), _ = _both(s, tok.encode("hi"), tool_choice="required", parallel_tool_calls=False)
+    assert s.engine.requests[-1].prompt == prompt + g.think_close() + g.section_open()
+    assert msg["content"] == tok.decode(g.section_open()) + "hi"  # never closed: text
+    # tool_choice="none": no tools in the prompt, markers are text; thinking off via the template kwarg.
+    ids = _section(tok, ("functions.calc:0", "{}"))
+    (msg, finish), _ = _both(s, ids, tool_choice="none", extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert s.engine.requests[-1].prompt == chat_template.chat_ids(
+        tok, [{"role": "user", "content": "weather?"}], template_kwargs={"thinking": False})
+    assert finish == "stop" and msg["content"] == tok.decode(ids) and not msg["tool_calls"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+])
+def test_http_400s(scripted, extra, param):
+    s = scripted
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                         extra_body=extra)
+    assert e.value.body["param"] == param and param in e.value.body["message"]
+    if param == "tool_choice" and "launch" in json.dumps(extra):
+        assert "'launch'" in e.value.body["message"]
+
+
+def test_http_harmless_fields_are_ignored(scripted):
+    s = scripted
+    s.engine.script, s.engine.finish = s.tok.encode("fine"), "length"
+    r = s.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], user="u",
+                                         metadata={"k": "v"}, store=False, presence_penalty=0, logit_bias={},
+                                         response_format={"type": "text"},
+                                         extra_body={"frobnicate": 1, "chat_template_kwargs": {"thinking": False}})
+    assert r.choices[0].message.content == "fine" and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.reasoning_content is None     # thinking off: the prompt closed the block
+    r = s.client.completions.create(model="m", prompt="x", best_of=1, suffix=None)
+    assert r.choices[0].text == "fine"
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client.completions.create(model="m", prompt="x", best_of=3)
+    assert e.value.body["param"] == "best_of"
