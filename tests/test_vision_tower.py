@@ -256,6 +256,26 @@ def test_splash_path_equals_blocked_in_the_interpreter():
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg=name)
 
 
+def test_position_add_dtype_switch():
+    """vision_pos_add_dtype (vision.md §11.6): in float32 both settings are one program; in
+    bfloat16, float32 (the sum rounded once) lands closer to the float32 result than compute (the
+    position term rounded to bf16 before the bf16 add), and the two differ."""
+    x = np.random.default_rng(0).uniform(-1, 1, (64, 588))
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        for mode in ("float32", "compute"):
+            cfg = C.load(BASE, K3 + [f"vision_pos_add_dtype={mode}", f"dtype={dtype}"])
+            enc = nnx.eval_shape(lambda cfg=cfg: build_vision(cfg, 0))
+            randomize(enc, 0)
+            lay = layout_arrays(media_layout(cfg.vision, [(1, 8, 8)]))
+            out = nnx.jit(lambda pe, x, a: pe(x, a["pos_index"], a["pos_weight"], a["frames"]))(
+                enc.vision_tower.patch_embed, jnp.asarray(x, jnp.dtype(dtype)), lay)
+            outs[dtype, mode] = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(outs["float32", "float32"], outs["float32", "compute"])
+    err = {m: np.abs(outs["bfloat16", m] - outs["float32", "float32"]).mean() for m in ("float32", "compute")}
+    assert err["float32"] < err["compute"] and np.abs(outs["bfloat16", "float32"] - outs["bfloat16", "compute"]).max() > 0, err
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["vision_head_dim=18"], "multiple of 4"),
     (["vision_hidden_size=33"], "must be even"),

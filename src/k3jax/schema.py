@@ -140,6 +140,10 @@ class VisionConfig:
     vision_pos_emb_time: int = _f(4, "most frames per media item (t); t > 1 adds the fixed sin-cos temporal term")
     vision_pos_interp: str = _f("bicubic", "resampling of the position table to each grid, align_corners=False, no "
                                 "antialias: bicubic (Keys a=-0.75, K2.5) | bilinear (K3)", ("bicubic", "bilinear"))
+    vision_pos_add_dtype: str = _f("float32", "dtype of patch + position-embedding add (the references disagree, "
+                                   "docs/vision.md §11.6): float32 (summed in f32, rounded once to the activation "
+                                   "dtype) | compute (the position term cast to the activation dtype, then added)",
+                                   ("float32", "compute"))
     vision_rope_theta: float = _f(10000.0, "base of the 2-D RoPE (interleaved pairs: even pairs by column, odd by row)")
     vision_merge: str = _f("sd2_tpool", "patch merge: sd2_tpool (k x k spatial groups, mean over frames)", ("sd2_tpool",))
     vision_projector: str = _f("patchmerger", "projector: patchmerger (K2.5: LayerNorm per sub-patch, Linear+b, GELU, "

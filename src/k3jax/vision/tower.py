@@ -96,6 +96,7 @@ class PatchEmbed(nnx.Module):
         self.pos_emb = param(rngs, (), (vcfg.vision_pos_emb_height, vcfg.vision_pos_emb_width, d),
                              (None, None, "embed"), std=std, dtype=dtype)
         self.max_frames = vcfg.vision_pos_emb_time
+        self.add_in_f32 = vcfg.vision_pos_add_dtype == "float32"
 
     def __call__(self, patches, pos_index, pos_weight, frames):
         """patches [N, 3pp] -> [N, D]: proj + the table gathered at the taps (weighted sum, f32) +
@@ -104,7 +105,9 @@ class PatchEmbed(nnx.Module):
         table = self.pos_emb[...].astype(jnp.float32).reshape(-1, self.width)
         pos = _gather_taps(table, pos_index, pos_weight)
         pos = pos + jnp.take(jnp.asarray(temporal_table(self.width, self.max_frames)), frames, axis=0)
-        return (x.astype(jnp.float32) + pos).astype(x.dtype)
+        if self.add_in_f32:
+            return (x.astype(jnp.float32) + pos).astype(x.dtype)
+        return x + pos.astype(x.dtype)
 
 
 class VisionBlock(nnx.Module):
