@@ -35,6 +35,55 @@ def cpu_only() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+# XLA flags of the GPU mode (``--gpu``), as MaxText documents its own GPU flags. One card, so the
+# collective-overlap flags MaxText sets for multi-GPU runs have nothing to overlap and are left out.
+#   --xla_gpu_enable_latency_hiding_scheduler=true  schedule by estimated op latency, so async
+#       copies and host transfers overlap compute (MaxText's first GPU flag; XLA's default is off)
+#   --xla_gpu_enable_triton_gemm=false  matmuls through cuBLAS(Lt), not XLA's Triton GEMM emitter:
+#       MaxText and JAX's GPU performance guide turn it off for bf16 training, where cuBLAS's
+#       kernels are the faster ones on Hopper
+# XLA_PYTHON_CLIENT_MEM_FRACTION: JAX takes 75% of the card's memory at start by default; a script
+# that shares the card with a torch process (decode_vs_hf.py's transformers side) asks for less.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_enable_triton_gemm=false")
+
+
+def gpu_mode(argv: Sequence[str] | None = None) -> bool:
+    """True when the script runs in its GPU mode: ``--gpu`` in its arguments."""
+    return "--gpu" in (sys.argv[1:] if argv is None else argv)
+
+
+def select_platform(argv: Sequence[str] | None = None, mem_fraction: float | None = None) -> str:
+    """Before jax is imported: ``--gpu`` -> jax on the CUDA card with GPU_XLA_FLAGS (``--gpu
+    --dry-run``: the same settings and flags on the host CPU, tiny sizes, as CI runs them);
+    otherwise ``cpu_only()``. Returns the platform jax will use."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not gpu_mode(args):
+        cpu_only()
+        return "cpu"
+    if "jax" in sys.modules:
+        raise RuntimeError("benchmarks.common.select_platform() must run before jax is imported")
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)]).strip()
+    if mem_fraction is not None:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(mem_fraction))
+    platform_ = "cpu" if "--dry-run" in args else "cuda"
+    os.environ["JAX_PLATFORMS"] = platform_
+    return platform_
+
+
+# Dense bf16 peak of the cards the GPU mode knows (NVIDIA's data sheets, without sparsity), keyed by
+# a pattern of jax's device_kind. A card not listed gets no MFU (the table says so).
+BF16_PEAK_TFLOPS = ((r"H100.*(PCIe)", 756.0), (r"H100 NVL", 835.0), (r"H100", 989.0), (r"H200", 989.0))
+
+
+def bf16_peak_tflops(device_kind: str) -> float | None:
+    """The card's dense bf16 peak in TFLOP/s, or None for a card not in BF16_PEAK_TFLOPS."""
+    for pattern, tflops in BF16_PEAK_TFLOPS:
+        if re.search(pattern, device_kind):
+            return tflops
+    return None
+
+
 def evict_from_page_cache(path: str) -> None:
     """Flush and drop the files directly in ``path`` from the page cache, so a benchmark that reads
     them next measures the disk, not RAM (Linux; files we wrote ourselves)."""

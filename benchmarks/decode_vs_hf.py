@@ -25,6 +25,20 @@ rounds (2); each side keeps its fastest round.
     .venv/bin/python benchmarks/decode_vs_hf.py --set moe_gather_max_tokens=0   # dropless only
     .venv/bin/python benchmarks/decode_vs_hf.py --cores 1                 # k3jax on one core
     .venv/bin/python benchmarks/decode_vs_hf.py --set moe_impl=ragged_dot  # the TPU grouped matmul
+
+GPU mode (--gpu; scripts/gpu_check.sh part d): both stacks on the CUDA card, one after the other
+(jax limited to half the card's memory, XLA_PYTHON_CLIENT_MEM_FRACTION=0.5, so torch fits beside
+it), transformers from this Python (--hf-python defaults to sys.executable), batch 1, 8 and 32:
+  tokens    float32 on both sides, jax's matmuls at precision "highest" and torch's TF32 off,
+            transformers eager (attention and experts) without fla: the new tokens must be
+            identical (the script fails otherwise, after writing its JSON)
+  speed     bfloat16 weights and activations on both sides, transformers with its default
+            attention / experts implementations and fla's Triton KDA kernels where importable (its
+            fastest GPU path), warm-up generate first; k3jax as above (best of --rounds)
+--hf-model DIR uses an existing Kimi Linear checkpoint instead of making one; --dry-run (with --gpu)
+runs k3jax's side of it on the host CPU and skips transformers (CI: tests/test_gpu_check.py).
+
+    python benchmarks/decode_vs_hf.py --gpu --out /tmp/decode_vs_hf_gpu.json
 Results: a table on stdout and benchmarks/results/decode_vs_hf.json (--out).
 """
 from __future__ import annotations
@@ -33,11 +47,12 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
-from common import ROOT, cpu_only, machine, print_table, result_path, write_json
+from common import ROOT, gpu_mode, machine, print_table, result_path, select_platform, write_json
 
-cpu_only()
+select_platform(mem_fraction=0.5)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,22 +63,26 @@ from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import load_model  # noqa: E402
 
 SIDE = os.path.join(ROOT, "benchmarks", "hf_decode_side.py")
+DEFAULT_HF_PYTHON = "/work/venv-golden/bin/python"
 
 
 ALL_CORES = sorted(os.sched_getaffinity(0))
 
 
-def hf(python: str, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_PLATFORMS")}
+def hf(python: str, *args: str, keep_path: bool = False, fla: bool = False) -> None:
+    """Run hf_decode_side.py; ``keep_path`` keeps PYTHONPATH (GPU mode: the carried wheels), ``fla``
+    lets transformers bind fla's kernels."""
+    drop = ("JAX_PLATFORMS",) if keep_path else ("PYTHONPATH", "JAX_PLATFORMS")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"K3JAX_HF_FLA": "1" if fla else "0"}
     # transformers gets every core back whatever --cores pinned k3jax to (it sets its own threads).
     subprocess.run([python, SIDE, *args], check=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES))
 
 
-def prepare(work: str, python: str) -> str:
-    """The HF model in work/hf and its k3jax conversion in work/ckpt (made once, then reused)."""
-    hf_dir, ckpt = os.path.join(work, "hf"), os.path.join(work, "ckpt")
+def prepare(work: str, python: str, hf_model: str | None = None, keep_path: bool = False) -> str:
+    """The HF model in work/hf (or ``hf_model``) and its k3jax conversion in work/ckpt (made once, then reused)."""
+    hf_dir, ckpt = hf_model or os.path.join(work, "hf"), os.path.join(work, "ckpt")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
-        hf(python, "make", hf_dir)
+        hf(python, "make", hf_dir, keep_path=keep_path)
     if not os.path.exists(os.path.join(ckpt, "model.yml")):
         from conversion import hf_to_k3jax
         hf_to_k3jax.convert(hf_dir, ckpt, dtype="float32", progress=False)
@@ -77,7 +96,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "k3jax_decode_vs_hf"),
                    help="where the HF model and its conversion are kept between runs")
-    p.add_argument("--hf-python", default="/work/venv-golden/bin/python",
+    p.add_argument("--hf-python", default=DEFAULT_HF_PYTHON,
                    help="a Python with torch + transformers (>= 5) and no fla")
     p.add_argument("--hf-threads", type=int, nargs="+", default=[1],
                    help="torch thread counts to try; the fastest generate per batch is kept")
@@ -89,8 +108,13 @@ def main(argv=None):
                    help="reuse the transformers timings in --work from an earlier run of the same prompts "
                         "(to compare k3jax settings; transformers' side does not depend on them)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its fastest")
+    p.add_argument("--gpu", action="store_true", help="GPU mode (module docstring)")
+    p.add_argument("--dry-run", action="store_true", help="with --gpu: k3jax's side on the host CPU, no transformers")
+    p.add_argument("--hf-model", default=None, help="an existing Kimi Linear HF checkpoint to convert and compare")
     p.add_argument("--out", default=result_path("decode_vs_hf"))
     a = p.parse_args(argv)
+    if gpu_mode(argv):
+        return main_gpu(a)
     if a.cores:
         # Before the first jax call: the CPU client reads the affinity when it starts. On a shared
         # host a pool of 2 threads waits for whichever is descheduled at every parallel op.
@@ -183,6 +207,81 @@ def main(argv=None):
                                                       for h in hf_out["rows"]]}, "rows": rows})
     if not all(r["tokens_identical"] for r in rows):
         raise SystemExit("error: greedy tokens differ between k3jax and transformers (see token_agreement)")
+
+
+def main_gpu(a) -> None:
+    """GPU mode (module docstring): tokens in float32, speed in bfloat16, both stacks on the card."""
+    hf_python = a.hf_python if a.hf_python != DEFAULT_HF_PYTHON else sys.executable
+    os.makedirs(a.work, exist_ok=True)
+    ckpt = prepare(a.work, hf_python, a.hf_model, keep_path=True)
+    hf_dir = a.hf_model or os.path.join(a.work, "hf")
+    base = [f"model_name={ckpt}/model.yml", f"load_parameters_path={ckpt}", *a.set]
+    try:
+        cfgs = {dt: C.load(overrides=[*base, f"dtype={dt}", f"weight_dtype={dt}"]) for dt in ("float32", "bfloat16")}
+    except C.ConfigError as e:
+        raise SystemExit(f"error: --set: {e}") from None
+    rng = np.random.default_rng(0)
+    vocab = cfgs["float32"].model.vocab_size
+    prompts = {b: rng.integers(3, vocab, (b, a.prompt_len)).tolist() for b in a.batch}
+    info = machine()
+    mesh = make_mesh(cfgs["float32"], devices=jax.devices()[:1])
+
+    def k3(dt: str) -> dict:
+        """k3jax's generate at each batch, best of --rounds (the first compiles)."""
+        model = load_model(cfgs[dt], mesh)
+        best = {}
+        with jax.default_matmul_precision("highest" if dt == "float32" else "default"):
+            for _ in range(a.rounds):
+                for b in a.batch:
+                    with jax.set_mesh(mesh):
+                        out, t = generate(model, prompts[b], max_new_tokens=a.new_tokens)
+                    if b not in best or t["decode_s"] < best[b]["decode_s"]:
+                        best[b] = {"tokens": np.asarray(out).tolist(), **{k: t[k] for k in ("prefill_s", "decode_s")}}
+        del model
+        return best
+
+    def transformers_side(dt: str) -> dict:
+        spec = os.path.join(a.work, f"prompts_{dt}.json")
+        out = os.path.join(a.work, f"hf_result_{dt}.json")
+        with open(spec, "w") as fh:
+            json.dump({"new_tokens": a.new_tokens, "device": "cuda", "dtype": dt, "default_impl": dt != "float32",
+                       "batches": [{"prompts": prompts[b]} for b in a.batch]}, fh)
+        hf(hf_python, "time", hf_dir, spec, out, keep_path=True, fla=dt != "float32")
+        with open(out) as fh:
+            res = json.load(fh)
+        return {r["batch"]: r for r in res["rows"]} | {"_meta": {k: v for k, v in res.items() if k != "rows"}}
+
+    k3_side = {dt: k3(dt) for dt in ("float32", "bfloat16")}
+    hf_side = {} if a.dry_run else {dt: transformers_side(dt) for dt in ("float32", "bfloat16")}
+    rows = []
+    for b in a.batch:
+        r = {"batch": b}
+        k32, k16 = k3_side["float32"][b], k3_side["bfloat16"][b]
+        r["k3jax_new_tokens_per_s"] = b * a.new_tokens / k16["decode_s"]
+        r["k3jax_prefill_s"] = k16["prefill_s"]
+        if hf_side:
+            h32, h16 = hf_side["float32"][b], hf_side["bfloat16"][b]
+            r["tokens_identical_f32"] = k32["tokens"] == h32["tokens"]
+            r["token_agreement_f32"] = float(np.mean(np.asarray(k32["tokens"]) == np.asarray(h32["tokens"])))
+            r["token_agreement_bf16"] = float(np.mean(np.asarray(k16["tokens"]) == np.asarray(h16["tokens"])))
+            r["hf_new_tokens_per_s"] = b * (a.new_tokens - 1) / h16["decode_s"]
+            r["hf_prefill_s"] = h16["prefill_s"]
+            r["decode_ratio"] = r["k3jax_new_tokens_per_s"] / r["hf_new_tokens_per_s"]
+            r["hf_impl"] = h16.get("impl")
+        rows.append(r)
+    print(f"\nGreedy decode on {info['device_kind']} ({info['backend']}): converted random Kimi Linear-shaped model, "
+          f"prompt {a.prompt_len}, {a.new_tokens} new tokens; tokens compared in float32, speed in bfloat16"
+          + (" (dry run: transformers skipped)" if a.dry_run else ""))
+    print_table(rows, [("batch", "batch", "d"), ("same tokens f32", "tokens_identical_f32", ""),
+                       ("agree bf16", "token_agreement_bf16", ".3f"),
+                       ("k3jax new tok/s", "k3jax_new_tokens_per_s", ".1f"),
+                       ("HF new tok/s", "hf_new_tokens_per_s", ".1f"), ("decode x", "decode_ratio", ".2f"),
+                       ("k3jax prefill s", "k3jax_prefill_s", ".4f"), ("HF prefill s", "hf_prefill_s", ".4f")])
+    write_json(a.out, {"benchmark": "decode_vs_hf", "mode": "gpu", "dry_run": a.dry_run, "machine": info,
+                       "settings": vars(a), "transformers_side": {dt: h["_meta"] for dt, h in hf_side.items()},
+                       "rows": rows})
+    if hf_side and not all(r["tokens_identical_f32"] for r in rows):
+        raise SystemExit("error: float32 greedy tokens differ between k3jax and transformers (token_agreement_f32)")
 
 
 if __name__ == "__main__":

@@ -10,17 +10,24 @@ torch CPU + transformers, never imported by k3jax).
         inside it the N - 1 decode steps from the first new token to the last, noted by a
         streamer), at each torch thread count the spec lists, keeping the fastest
 
+A spec may name "device" (cpu | cuda), "dtype" (float32 | bfloat16) and "default_impl" (true:
+transformers' default attention / experts implementations instead of eager); on cuda TF32 is off.
+fla (its Triton KDA kernels, which transformers binds when importable) is blocked unless the
+environment has K3JAX_HF_FLA=1 (decode_vs_hf.py --gpu sets it for the bfloat16 speed run).
+
 The weights are random at scales that keep logits O(1..10) (as scripts/make_goldens.py does), so
 greedy tokens are decided by clear margins and the two stacks can be compared token for token.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.modules.setdefault("fla", None)   # never bind fla's triton kernels on a CPU box
+if os.environ.get("K3JAX_HF_FLA") != "1":
+    sys.modules.setdefault("fla", None)   # never bind fla's triton kernels unless asked (CPU box, f32 tokens)
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -85,6 +92,9 @@ def timed(model, ids, new: int) -> tuple[float, torch.Tensor, float]:
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                          min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
     total = time.perf_counter() - t0
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
     if len(clock.times) != new + 1:
         raise RuntimeError(f"expected the prompt and {new} tokens streamed, got {len(clock.times)} calls")
     return total, out[:, ids.shape[1]:], clock.times[-1] - clock.times[1]
@@ -94,10 +104,18 @@ def time_all(out: Path, prompts_file: Path, result: Path) -> None:
     """Each batch at every torch thread count in the spec; the fastest full generate is kept (on
     shared cores 2 threads ran 5x slower than 1, so transformers gets its best setting)."""
     spec = json.loads(prompts_file.read_text())
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **IMPL).eval()
+    device, dtype = spec.get("device", "cpu"), getattr(torch, spec.get("dtype", "float32"))
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    impl = {} if spec.get("default_impl") else IMPL
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, **impl).to(device).eval()
+    used = {"attn_implementation": model.config._attn_implementation,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+            "fla": sys.modules.get("fla") is not None}
     rows = []
     for batch in spec["batches"]:
-        ids = torch.tensor(batch["prompts"], dtype=torch.int64)
+        ids = torch.tensor(batch["prompts"], dtype=torch.int64, device=device)
         new = spec["new_tokens"]
         tries = []
         for threads in spec.get("threads", [torch.get_num_threads()]):
@@ -110,10 +128,13 @@ def time_all(out: Path, prompts_file: Path, result: Path) -> None:
             print(f"transformers batch {ids.shape[0]}, {threads} threads: prefill {t_pre:.3f} s, generate "
                   f"{t_all:.2f} s, of which {new - 1} decode steps {t_dec:.2f} s", file=sys.stderr, flush=True)
         best = min(tries, key=lambda r: r["generate_s"])
-        rows.append({"batch": ids.shape[0], **best, "same_tokens_every_thread_count":
+        rows.append({"batch": ids.shape[0], **best, "impl": used, "dtype": spec.get("dtype", "float32"), "same_tokens_every_thread_count":
                      all(r["tokens"] == best["tokens"] for r in tries),
                      "tries": [{k: v for k, v in r.items() if k != "tokens"} for r in tries]})
-    result.write_text(json.dumps({"torch": torch.__version__, "rows": rows}))
+    import transformers
+    result.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
+                                  "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                                  "impl": used, "rows": rows}))
 
 
 if __name__ == "__main__":

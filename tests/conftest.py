@@ -7,8 +7,11 @@ from pathlib import Path
 # Compiling is most of the suite's time. XLA:CPU's -O0 (--xla_backend_optimization_level=0) was
 # tried and is not used: it cut a clean-clone run from 1912 to 1627 s but changed the numerics (the
 # Kimi Linear tiny's float64 parity went from 1.1e-6 to 1.3e-5, over its bound): not users' programs.
+# K3JAX_TEST_HOST_DEVICES changes the count (1: the one-device list scripts/gpu_check.sh runs on a
+# GPU, checked on CPU with one device); the fake devices only exist on the host platform.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={int(os.environ.get('K3JAX_TEST_HOST_DEVICES', '8'))}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes compile for TPU topologies at once (xdist workers, subprocesses): libtpu

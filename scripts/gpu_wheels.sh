@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Download the wheels scripts/gpu_check.sh installs on the GPU image into .whl/ (gitignored) and print
+# their total size; with the repo it must stay under the device run's 64 MiB. Run from anywhere:
+#   bash scripts/gpu_wheels.sh
+# WHEELS is what the image lacks (or has too old) on the GPU path: scripts/gpu_imports.py, run by
+# `scripts/gpu_check.sh --dry-run` in CI, fails naming any import the image and this list do not cover.
+# Versions are the ones CI tests with (the project venv's); gpu_imports.py checks they match.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(
+  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0
+  tokamax==0.0.17 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 pydantic==2.14.4 pydantic-core==2.50.5
+  annotated-types==0.8.0 typing-inspection==0.4.5
+  xprof==2.24.2 fire==0.7.1 termcolor==3.3.0
+  tensorboardX==2.6.5
+  transformers==5.25.0 huggingface-hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5
+  flash-linear-attention==0.6.0 fla-core==0.6.0
+)
+PY=${PYTHON:-python3}
+mkdir -p .whl
+for w in "${WHEELS[@]}"; do
+  name=${w%%==*}
+  ls .whl/ | grep -qi "^$(echo "$name" | tr '-' '_')-${w##*==}-" && continue
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$w"
+done
+# tokamax imports xprof (its profiler bindings, xprof/convert/profiler_plugin_c_api.so) when it is
+# imported; xprof's web UI assets and its events-database library (xprof/static, .../events_db) are
+# never loaded then and are half the wheel: they are dropped from it (and from its RECORD), 32 -> 15 MB.
+"$PY" - .whl/xprof-*.whl <<'PYEOF'
+import os, sys, zipfile
+src = sys.argv[1]
+drop = ("xprof/static/", "xprof/convert/events_db/", "xprof/integration_tests/")
+with zipfile.ZipFile(src) as zi:
+    if not any(i.filename.startswith(drop) for i in zi.infolist()):
+        sys.exit(0)                                     # trimmed already
+    with zipfile.ZipFile(src + ".tmp", "w", zipfile.ZIP_DEFLATED) as zo:
+        for info in zi.infolist():
+            if info.filename.startswith(drop):
+                continue
+            data = zi.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(x + b"\n" for x in data.splitlines() if not x.decode().startswith(drop))
+            zo.writestr(info, data)
+os.replace(src + ".tmp", src)
+print(f"trimmed {src}: {os.path.getsize(src) / 2**20:.1f} MiB")
+PYEOF
+# Keep exactly the listed wheels (a stale version would make two of one package).
+keep=$(for w in "${WHEELS[@]}"; do echo "$(echo "${w%%==*}" | tr 'A-Z-' 'a-z_')-${w##*==}-"; done)
+for f in .whl/*.whl; do
+  b=$(basename "$f" | tr 'A-Z' 'a-z')
+  echo "$keep" | grep -qF -- "$(echo "$b" | cut -d- -f1-2)-" || { echo "removing $f (not in WHEELS)"; rm -f "$f"; }
+done
+n=$(ls .whl/*.whl | wc -l)
+[ "$n" -eq "${#WHEELS[@]}" ] || { echo "error: ${#WHEELS[@]} wheels listed, $n in .whl/" >&2; exit 1; }
+whl=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | grep total$ | awk '{s+=$1} END {print s}')
+echo "wheels: $n files, $((whl / 1048576)) MiB ($whl bytes); tracked repo files $((repo / 1048576)) MiB; together $(((whl + repo) / 1048576)) MiB of 64"
+[ $((whl + repo)) -lt $((64 * 1048576)) ] || { echo "error: wheels + repo exceed 64 MiB" >&2; exit 1; }
