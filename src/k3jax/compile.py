@@ -32,6 +32,7 @@ from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
 from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
+from k3jax.kernels.platform import resolve
 from k3jax.loss import resolve_loss_impl
 from k3jax.feed import token_sharding
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
@@ -457,8 +458,10 @@ def run(cfg, out=print) -> dict:
     total, active = counts.param_counts(m)
     platform = mesh.devices.flat[0].platform
     out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
-        f"{counts.human(active)} active; kernels kda={cfg.kernel.kda_impl} attention={cfg.kernel.attention_impl} "
-        f"moe={resolve_moe_impl(cfg.kernel.moe_impl, platform)}/{cfg.kernel.moe_mode}/{cfg.kernel.moe_ep_transport} "
+        f"{counts.human(active)} active; kernels kda={resolve('kda_impl', cfg.kernel.kda_impl, platform)} "
+        f"attention={resolve('attention_impl', cfg.kernel.attention_impl, platform)} "
+        f"moe={resolve_moe_impl(cfg.kernel.moe_impl, platform)}/{cfg.kernel.moe_mode}/"
+        f"{resolve('moe_ep_transport', cfg.kernel.moe_ep_transport, platform)} "
         f"loss={resolve_loss_impl(cfg.kernel.loss_impl, platform)}; "
         f"remat={cfg.train.remat_policy}")
     reports = {}

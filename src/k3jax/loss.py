@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from k3jax.kernels.platform import resolve
+
 LOSS_IMPLS = ("auto", "chunked", "chunked_fused", "tokamax", "vocab_parallel")
 # tokamax 0.0.17's chunked_xla pads the vocabulary to a multiple of its V block (2048) with zero
 # weight columns and lets their logits (0, not -inf) into the logsumexp: with a vocabulary off
@@ -57,9 +59,7 @@ def resolve_loss_impl(impl: str, platform: str) -> str:
     """``loss_impl=auto`` for devices of ``platform``: chunked_fused on CPU (one host's memory, where
     the kept head gradient costs nothing next to a fourth head matmul), chunked on TPU and GPU
     (the pod's gathered K3 head gradient, 4.4 GiB, must not live through the backward)."""
-    if impl != "auto":
-        return impl
-    return "chunked_fused" if platform == "cpu" else "chunked"
+    return resolve("loss_impl", impl, platform)
 
 
 def _argmax_block(v: int) -> int | None:

@@ -185,15 +185,18 @@ class VisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    kda_impl: str = _f("chunked", "KDA core: reference | chunked | pallas_tpu | tokamax (tokamax's KDA with the bounded "
-                       "gate fused in: its Mosaic kernels when the platform is TPU, its xla_chunked path elsewhere; needs "
-                       "kda_gate=bounded and kda_chunk_size=64)", ("reference", "chunked", "pallas_tpu", "tokamax"))
+    kda_impl: str = _f("auto", "KDA core: auto (chunked on every platform) | reference | chunked | pallas_tpu | tokamax "
+                       "(tokamax's KDA with the bounded gate fused in: its Mosaic kernels when the platform is TPU, its "
+                       "xla_chunked path elsewhere; needs kda_gate=bounded and kda_chunk_size=64)",
+                       ("auto", "reference", "chunked", "pallas_tpu", "tokamax"))
     kda_chunk_size: int = _f(64, "KDA chunk length of the chunked / pallas_tpu cores (a power of two >= 16)")
     kda_tokamax_max_segments: int = _f(16, "kda_impl=tokamax: most documents in one row (tokamax pads each to 64 "
                                        "tokens: T + 63 x this tokens of work); a row with more makes the KDA output "
                                        "NaN")
-    attention_impl: str = _f("jnp", "MLA prefill attention: jnp | blocked (query blocks of 512, O(T) memory; use at "
-                             "pod scale) | tokamax", ("jnp", "blocked", "tokamax"))
+    attention_impl: str = _f("auto", "MLA prefill attention: auto (jnp on CPU, blocked on TPU, cudnn on GPU where it "
+                             "fits, else blocked) | jnp | blocked (query blocks of 512, O(T) memory; use at pod scale) | "
+                             "tokamax | cudnn (jax.nn.dot_product_attention's cuDNN flash kernel; GPU, bf16/fp16)",
+                             ("auto", "jnp", "blocked", "tokamax", "cudnn"))
     moe_impl: str = _f("auto", "grouped matmul: auto (blocked on CPU, ragged_dot on TPU/GPU) | ragged_dot (TPU, GPU) | "
                        "megablox (Pallas TPU) | blocked (a scan over row blocks: the CPU one, where ragged_dot runs "
                        "every expert on every row) | dense (reference) | tokamax_ragged_dot (tokamax.ragged_dot: "
@@ -202,7 +205,7 @@ class KernelConfig:
     moe_mode: str = _f("dropless", "dropless | capacity", ("dropless", "capacity"))
     moe_gather_max_tokens: int = _f(64, "dropless MoE with at most this many tokens (decode, short prefills) gathers the chosen experts (4*N*top_k <= experts) or runs them one-hot, or with moe_impl=blocked loops over the used expert blocks (N*top_k <= 4*experts), instead of sort + ragged matmul; with moe_impl=blocked and experts <= 2*top_k one-hot at any token count; 0 = off")
     capacity_factor: float = _f(1.25, "expert capacity factor (capacity mode)")
-    moe_ep_transport: str = _f("ragged", "expert-parallel token exchange: ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("ragged", "padded"))
+    moe_ep_transport: str = _f("auto", "expert-parallel token exchange: auto (padded on CPU, ragged on TPU/GPU) | ragged (ragged_all_to_all; TPU/GPU) | padded (fixed-size all-to-all emulation; CPU)", ("auto", "ragged", "padded"))
     pallas_interpret: bool = _f(False, "run Pallas kernels in interpret mode (CPU tests)")
     context_parallel_strategy: str = _f("allgather", "KDA state combine across context shards: allgather | ring",
                                         ("allgather", "ring"))

@@ -98,6 +98,26 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     if platform is not None and k.kda_impl == "pallas_tpu" and platform != "tpu" and not k.pallas_interpret:
         raise ConfigError(f"kda_impl=pallas_tpu compiles TPU kernels but the devices here are {platform}; "
                           f"use kda_impl=chunked (or pallas_interpret=true to run the kernel in the interpreter)")
+    if platform is not None:
+        _validate_platform_kernels(cfg, platform, None if num_devices is None else mesh_shape(cfg, num_devices))
+
+
+def _validate_platform_kernels(cfg: Config, platform: str, mesh: tuple[dict, dict] | None) -> None:
+    """Explicit kernel choices the devices' platform cannot run (``auto`` always resolves to one it
+    can: k3jax.kernels.platform.AUTO)."""
+    k, m = cfg.kernel, cfg.model
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if k.attention_impl == "cudnn" and not gpu:
+        raise ConfigError(f"attention_impl=cudnn runs cuDNN's GPU kernel but the devices here are {platform}; "
+                          f"use attention_impl=auto (or jnp / blocked)")
+    if k.attention_impl == "cudnn" and cfg.train.dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"attention_impl=cudnn takes bfloat16 or float16 activations, but dtype={cfg.train.dtype}; "
+                          f"set dtype=bfloat16 or attention_impl=auto")
+    if mesh is not None and platform == "cpu" and k.moe_ep_transport == "ragged" and m.first_k_dense < m.num_layers:
+        ici, dcn = mesh
+        if ici["expert"] * dcn["expert"] > 1:
+            raise ConfigError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not implement; "
+                              "use moe_ep_transport=auto (padded on CPU) or padded")
 
 
 # Mesh axes loss_impl=vocab_parallel may split the lm head's vocabulary over: the head's own

@@ -12,6 +12,7 @@ from k3jax import sharding as S
 from k3jax.kernels.moe import balance, dispatch, routing
 from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
 from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
+from k3jax.kernels.platform import resolve
 from k3jax.kernels.moe.quantized import MX_BLOCK, MXFP4
 from k3jax.layers.common import MLP, Packed, RouterBias, glu_activation, ones, param, rms_norm, zeros
 
@@ -114,9 +115,10 @@ class MoE(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         impl = resolve_moe_impl(k.moe_impl)
         if not mesh.empty and mesh.shape.get(S.EXPERT_AXIS, 1) > 1:
-            if k.moe_ep_transport == "ragged" and mesh.abstract_device.platform == "cpu":
+            transport = resolve("moe_ep_transport", k.moe_ep_transport, mesh.abstract_device.platform)
+            if transport == "ragged" and mesh.abstract_device.platform == "cpu":
                 raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
-                                 "implement; set moe_ep_transport=padded on CPU")
+                                 "implement; set moe_ep_transport=auto or padded on CPU")
             # F stays sharded over the tensor axis (expert x tensor parallelism), never gathered.
             ffn_axis = S.EXPERT_FFN_AXIS if mesh.shape.get(S.EXPERT_FFN_AXIS, 1) > 1 else None
             # Rows in the layout the flattened [B, T] tokens already have (sequence slices are
@@ -126,7 +128,7 @@ class MoE(nnx.Module):
                                     ffn_axis=ffn_axis, row_axes=rows,
                                     token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
-                                    transport=k.moe_ep_transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
+                                    transport=transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
                                     interpret=k.pallas_interpret)
             if isinstance(r, tuple):
                 r, dropped = r

@@ -23,7 +23,7 @@ from k3jax.kernels.kda.pallas_tpu import check_platform, kda_pallas
 from k3jax.kernels.kda.reference import kda_reference
 from k3jax.kernels.kda.sharded import shard_kda
 from k3jax.kernels.kda.tokamax import TOKAMAX_CHUNK, default_implementation, kda_tokamax
-from k3jax.kernels.platform import target_platform
+from k3jax.kernels.platform import resolve, target_platform
 
 KDA_IMPLS = {
     "reference": kda_reference,
@@ -46,7 +46,8 @@ def _tokamax_core(lower_bound: float, max_num_segments: int):
 
 def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batch_axes=None,
                head_axis=None, lower_bound: float | None = None, max_num_segments: int = 1):
-    """The KDA core called `name` (a key of KDA_IMPLS) with the common signature.
+    """The KDA core called `name` (a key of KDA_IMPLS, or "auto": the one kernels.platform.AUTO
+    picks for the platform the call lowers for, never "tokamax") with the common signature.
 
     `chunk_size` (config `kda_chunk_size`, a power of two >= 16) is bound into the chunked
     implementations ("chunked", "pallas_tpu"); "reference" is token-serial and has no chunks.
@@ -65,8 +66,16 @@ def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batc
     `max_num_segments` documents per row at most (kernels/kda/tokamax.py); chunk_size must be 64
     (tokamax's only chunk). It is wrapped in `shard_kda` like "pallas_tpu" (a Mosaic call again).
     """
+    if name == "auto":
+        kw = dict(chunk_size=chunk_size, interpret=interpret, batch_axes=batch_axes, head_axis=head_axis,
+                  lower_bound=lower_bound, max_num_segments=max_num_segments)
+
+        def auto_core(*args, **kwargs):
+            # Picked when the call is traced, for the platform it lowers for (kernels.platform.AUTO).
+            return get_kda_fn(resolve("kda_impl", "auto"), **kw)(*args, **kwargs)
+        return auto_core
     if name not in KDA_IMPLS:
-        raise ValueError(f"unknown KDA implementation {name!r}; valid: {sorted(KDA_IMPLS)}")
+        raise ValueError(f"unknown KDA implementation {name!r}; valid: auto, {', '.join(sorted(KDA_IMPLS))}")
     if name == "tokamax":
         if lower_bound is None or chunk_size != TOKAMAX_CHUNK:
             raise ValueError(f"tokamax KDA needs the bounded gate's lower_bound and chunk_size="
