@@ -2,7 +2,7 @@
 #   make demo   - the main job: train the tiny K3-shaped model on CPU, checkpoint, decode from it
 #   make test   - the test suite (8 simulated CPU devices)
 PY := .venv/bin/python
-export JAX_PLATFORMS ?= cpu
+# No JAX_PLATFORMS here: on a host without a TPU, import k3jax picks the CPU itself (README).
 
 .PHONY: setup demo test bench
 

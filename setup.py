@@ -39,5 +39,6 @@ setup(
                 "openai>=3.57.0",     # the server tests talk to it with the real OpenAI client
                 "gcp-storage-emulator>=2026.7.19"],   # a local GCS server for the gs:// tests
         "tpu": ["jax[tpu]>=0.11.2"],
+        "cuda": ["jax[cuda13]>=0.11.2"],   # NVIDIA GPUs: jax's CUDA 13 plugin with its CUDA wheels
     },
 )
