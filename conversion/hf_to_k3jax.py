@@ -1,14 +1,16 @@
 """Hugging Face safetensors -> k3jax parameters, streamed.
 
     python -m conversion.hf_to_k3jax --hf_dir D --out CKPT [--model_name kimi-k3] [--dtype bfloat16]
-                                     [--experts_format dense|mxfp4]
+                                     [--experts_format dense|mxfp4] [--text_only]
 
 Reads ``config.json`` (validated against ``--model_name`` when given, else turned into
 ``<out>/model.yml``), checks every tensor name, format and dtype from the headers alone, then reads
 tensors one at a time through ``CheckpointReader`` (dequantising MXFP4, int4 and FP8 weights), maps
 them with ``param_map`` into the scanned layout and writes each one straight into its slice of the
 orbax items ``<out>/params`` (``nnx.Param``) and ``<out>/extra`` (router biases); see
-``orbax_stream``. ``load_parameters_path=<out>`` accepts the result. The tokenizer, chat template and
+``OrbaxStreamWriter``. With ``vision_enabled`` (from ``--model_name``, or derived from config.json's
+``vision_config`` unless ``--text_only``) the vision tower and projector go to ``<out>/vision``
+(``conversion.vision_map``: the released K3 / K2.5 names, transformers' ``Kimi_K25`` save or its own names). ``load_parameters_path=<out>`` accepts the result. The tokenizer, chat template and
 generation config are copied beside them (``conversion.hf_files``), so ``tokenizer_path=<out>`` works
 too. No Python file of the model directory is ever imported or executed.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conversion import hf_files, param_map, quant
+from conversion import hf_files, param_map, quant, vision_map
 from conversion.errors import ConversionError
 
 
@@ -270,7 +272,7 @@ class OrbaxStreamWriter:
 
 # ---- the streaming conversion ---------------------------------------------------------------------
 
-_IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_IGNORED_PREFIXES = (*vision_map.VISION_ROOTS, "multi_modal_projector.")
 
 
 def conversion_steps(model, mcfg, layout: str):
@@ -364,17 +366,20 @@ def router_weights_from_biased(hf: dict, layout: str) -> bool:
     return hf.get("text_config", hf).get("model_type", "kimi_linear") == "kimi_linear" and layout == "remote"
 
 
-def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layout: str = "native"):
+def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layout: str = "native",
+                   full: dict | None = None, text_only: bool = False):
     """The run config: ``model_name``'s, refused when config.json disagrees; else derived from
-    config.json and written to ``<out>/model.yml``. ``router_weights_from_biased`` comes from the
-    checkpoint's layout either way."""
+    config.json and written to ``<out>/model.yml``, with the vision keys of its ``vision_config``
+    (``full``: the whole config.json) unless ``text_only``. ``router_weights_from_biased`` comes
+    from the checkpoint's layout either way."""
     import yaml
 
     from k3jax import config as C
     derived = model_overrides_from_hf(hf)
     derived["router_weights_from_biased"] = router_weights_from_biased(hf, layout)
+    vision = {} if text_only else vision_map.vision_overrides_from_hf(full or {})
     if not model_name:
-        (out / "model.yml").write_text(yaml.safe_dump(derived, sort_keys=False))
+        (out / "model.yml").write_text(yaml.safe_dump({**derived, **vision}, sort_keys=False))
         return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
     if cfg.model.router_weights_from_biased != derived["router_weights_from_biased"]:
@@ -387,6 +392,9 @@ def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layo
     mla = sorted({l for l in range(n) if p and l % p == p - 1} | set(derived["mla_extra_layers"]))
     if mla != sorted(cfg.model.mla_layer_set):
         bad["MLA layers"] = (mla, sorted(cfg.model.mla_layer_set))
+    if cfg.vision.vision_enabled and vision:
+        bad.update({k: (vision[k], getattr(cfg.vision, k)) for k in vision_map.ARCH_KEYS
+                    if getattr(cfg.vision, k) != vision[k]})
     if bad:
         lines = "; ".join(f"{k}: checkpoint {hv!r} vs config {ov!r}" for k, (hv, ov) in list(bad.items())[:8])
         raise ConversionError(f"config.json disagrees with model_name={model_name} in {len(bad)} keys: {lines}; "
@@ -394,7 +402,8 @@ def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layo
     return cfg
 
 
-def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", progress=True) -> dict:
+def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", progress=True,
+            text_only=False) -> dict:
     """Stream a Hugging Face checkpoint into ``<out>/{params,extra}`` (+ ``model.yml``); see module doc.
 
     ``experts_format="mxfp4"`` keeps MXFP4 routed experts packed: they go to ``<out>/experts_mxfp4``
@@ -407,7 +416,7 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
     if paths.is_remote(out):   # converted locally, then uploaded (orbax files and model.yml)
         import tempfile
         with tempfile.TemporaryDirectory(prefix="k3jax-convert-") as tmp:
-            summary = convert(hf_dir, tmp, model_name, dtype, experts_format, progress)
+            summary = convert(hf_dir, tmp, model_name, dtype, experts_format, progress, text_only)
             summary["uploaded_files"] = paths.upload(tmp, str(out))
         return summary
     if paths.is_remote(hf_dir):   # safetensors are memory-mapped: a local copy of the directory
@@ -432,11 +441,13 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
         dtype = checkpoint_dtype(hf)
         if progress:
             print(f"parameters in {dtype} (the checkpoint's dtype; --dtype changes it)", file=sys.stderr)
-    cfg = resolve_config(hf, out, model_name, dtype, layout)
+    full = json.loads((Path(hf_dir) / "config.json").read_text())
+    cfg = resolve_config(hf, out, model_name, dtype, layout, full, text_only)
     mcfg = cfg.model
     model = nnx.eval_shape(lambda: M.build(cfg, 0))
     _, params, extra = nnx.split(model, nnx.Param, RouterBias)
     steps = list(conversion_steps(model, mcfg, layout))
+    vlayout = _vision_steps(cfg, reader, full, hf_dir, steps) if cfg.vision.vision_enabled else None
     skipped = validate_names(reader, steps)
     packed = {}
     if experts_format == "mxfp4":
@@ -452,6 +463,9 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
         params = nnx.from_flat_state([(p, v) for p, v in flat.items() if p not in packed])
     index_dims = {path: len(index) + hasattr(fn, "each") for _, path, index, _, fn in steps}
     parts = {"params": params, "extra": extra}
+    if vlayout:
+        from k3jax.vision import build_vision
+        parts["vision"] = nnx.state(nnx.eval_shape(lambda: build_vision(cfg, 0)), nnx.Param)
     if packed:
         parts["experts_mxfp4"], packed_dims = _packed_tree(reader, packed, flat)
         index_dims.update(packed_dims)
@@ -471,7 +485,7 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
         for item in parts:
             shutil.rmtree(out / f"{item}.partial", ignore_errors=True)
         raise
-    for item in ("params", "extra", "experts_mxfp4"):
+    for item in ("params", "extra", "experts_mxfp4", "vision"):
         shutil.rmtree(out / item, ignore_errors=True)
         if item in parts:
             os.replace(out / f"{item}.partial", out / item)
@@ -480,11 +494,29 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
     secs = time.perf_counter() - t0
     if progress:
         print(f"wrote {out / 'params'} ({n:,} parameters, {len(need)} tensors, {bar.b / 2**20:,.1f} MiB read "
-              f"in {secs:.1f}s){'; skipped ' + str(len(skipped)) + ' non-text tensors' if skipped else ''}")
+              f"in {secs:.1f}s){'; skipped ' + str(len(skipped)) + ' non-text tensors' if skipped else ''}"
+              f"{'; the vision tower and projector (' + vlayout + ' layout) in ' + str(out / 'vision') if vlayout else ''}")
         print(f"copied {', '.join(side)} (tokenizer_path={out} reads them)" if side else
               f"note: {hf_dir} has no tokenizer, chat template or generation config to copy")
     return {"tensors": len(need), "bytes": bar.b, "seconds": secs, "skipped": skipped, "parameters": n,
-            "side_files": side}
+            "side_files": side, "vision_layout": vlayout}
+
+
+def _vision_steps(cfg, reader, full, hf_dir, steps) -> str:
+    """Append the vision tower's conversion steps to ``steps``; returns the checkpoint's vision
+    layout. A checkpoint without (all) the tensors the config's tower needs is refused."""
+    names = reader.logical_keys()
+    where = os.path.join(str(hf_dir), "config.json")
+    try:
+        vlayout = vision_map.detect_vision_layout(names, full, where)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    msg = vision_map.missing_message(cfg.vision, vlayout or "released", names, str(hf_dir))
+    if msg:
+        raise ConversionError(msg)
+    steps += [(None, path, index, hf, to_ours) for path, index, hf, to_ours, _ in
+              vision_map.vision_rules(cfg.vision, vlayout)]
+    return vlayout
 
 
 def _stream(reader, steps, owner, packed, bar) -> None:
@@ -553,11 +585,13 @@ def main(argv=None) -> int:
                          "stays float32, anything else and quantized experts become bfloat16)")
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (load with experts_format=mxfp4)")
+    ap.add_argument("--text_only", action="store_true",
+                    help="without --model_name: leave the vision tower of a multimodal checkpoint out (skipped, counted)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def run():
         a = ap.parse_args(argv)
-        convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet)
+        convert(a.hf_dir, a.out, a.model_name, a.dtype, a.experts_format, progress=not a.quiet, text_only=a.text_only)
     return guard(run)
 
 

@@ -15,6 +15,12 @@ The model config is ``--model_name``, a converter output's ``model.yml`` or a tr
   ``{q,k,v}_conv1d``, ``block_sparse_moe`` with per-expert ``w1/w2/w3``, ``A_log`` zero-padded to
   [128], and a ``kimi_k3`` config with the text model under ``text_config``. Routed experts are
   written dense (no MXFP4 re-quantisation), so the output is about 4x the released size.
+- Kimi K2 / DeepSeek-V3-shaped configs (RoPE MLA) get the released K2 names (per-expert
+  ``mlp.experts.N.{gate,up,down}_proj``) and a ``deepseek_v3`` config, which transformers loads.
+- With ``vision_enabled`` the tower and projector (``<ckpt>/vision``, as ``hf_to_k3jax`` writes it)
+  go out in the released names (``conversion.vision_map``): K3-shaped text as the released K3
+  (``KimiK3ForConditionalGeneration``), K2 text as the released K2.5 (``KimiK25ForConditionalGeneration``,
+  text under ``language_model.``), each config.json with its release's ``vision_config``.
 
 Tensors are BF16 (``--dtype bfloat16``, default) except those K3 stores in F32 (short convs,
 ``A_log``, ``dt_bias``, ``o_norm``, router bias), which keep F32; ``--dtype float32`` writes F32
@@ -31,7 +37,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from conversion import hf_files, param_map
+from conversion import hf_files, param_map, vision_map
 from conversion.errors import ConversionError
 
 # Tensor-name endings that K3 checkpoints keep in float32 (k3-architecture.md section 8).
@@ -75,8 +81,38 @@ def is_kimi_linear_shaped(m) -> bool:
             and not m.mla_use_rope)
 
 
-def hf_config(m, layout: str, dtype: str) -> dict:
-    """config.json for model config ``m`` (inverse of ``hf_to_k3jax.model_overrides_from_hf``)."""
+def deepseek_config(m, dtype: str, model_type: str = "deepseek_v3") -> dict:
+    """A K2 / DeepSeek-V3 config.json for the all-MLA RoPE model config ``m``."""
+    yarn = m.rope_scaling_factor != 1.0
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": model_type, "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+            "moe_intermediate_size": m.moe_intermediate_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
+            "n_shared_experts": m.num_shared_experts, "n_routed_experts": m.num_experts,
+            "num_experts_per_tok": m.num_experts_per_token, "routed_scaling_factor": m.routed_scaling_factor,
+            "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid", "n_group": m.n_group, "topk_group": m.topk_group, "moe_layer_freq": 1,
+            "first_k_dense_replace": m.first_k_dense, "norm_topk_prob": m.moe_renormalize, "hidden_act": "silu",
+            "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": m.rms_norm_eps,
+            "rope_theta": m.rope_theta, "attention_bias": False, "tie_word_embeddings": m.tie_word_embeddings,
+            "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": m.rope_scaling_factor,
+                             "original_max_position_embeddings": m.rope_original_max_position,
+                             "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow, "mscale": m.rope_mscale,
+                             "mscale_all_dim": m.rope_mscale_all_dim} if yarn else None, "dtype": dtype,
+            **{k: (v if (v := getattr(m, k)) >= 0 else None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}}
+
+
+def hf_config(m, layout: str, dtype: str, vision=None) -> dict:
+    """config.json for model config ``m`` (inverse of ``hf_to_k3jax.model_overrides_from_hf``);
+    ``vision``: the vision config when the tower is exported."""
+    if layout.startswith("deepseek"):
+        if vision is None:
+            return deepseek_config(m, dtype)
+        return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                "text_config": deepseek_config(m, dtype, "kimi_k2"),
+                "vision_config": vision_map.hf_vision_config(vision, m.hidden_size, k3=False),
+                **vision_map.hf_top_level(m, k3=False)}
     n = m.num_layers
     mla = sorted(m.mla_layer_set)
     common = {
@@ -118,7 +154,11 @@ def hf_config(m, layout: str, dtype: str) -> dict:
         text.update(routed_expert_hidden_size=m.moe_latent_size, latent_moe_use_norm=m.moe_latent_norm)
     if m.attn_res:
         text["attn_res_block_size"] = m.attn_res_block_size
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+    k3 = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+    if vision is not None:
+        k3.update(vision_config=vision_map.hf_vision_config(vision, m.hidden_size, k3=True),
+                  **vision_map.hf_top_level(m, k3=True))
+    return k3
 
 
 def _plan(model, m, layout):
@@ -145,6 +185,30 @@ def _plan(model, m, layout):
         loc, idx = model.layout.where(l)
         add(param_map.layer_rules(m, l, layout), loc, () if idx is None else (idx,))
     return order
+
+
+def _vision_plan(cfg, params_dir: Path, leaves: dict) -> list:
+    """Plan entries of the tower and projector in the released names; their leaves (the orbax item
+    ``vision`` beside ``params``) are added to ``leaves`` after a shape check."""
+    from flax import nnx
+
+    from k3jax.vision import build_vision
+    vdir = params_dir.parent / "vision"
+    if not (vdir / "_METADATA").is_file():
+        raise ConversionError(f"{params_dir.parent}: the config has vision_enabled=true but there is no vision "
+                              "item (vision/) beside params; pass a text-only --model_name to export the text model")
+    got = open_item(vdir)
+    enc = nnx.eval_shape(lambda: build_vision(cfg, 0))
+    want = {tuple(p): tuple(x.shape) for p, x in nnx.to_flat_state(nnx.state(enc, nnx.Param))}
+    bad = sorted(".".join(map(str, p)) for p in want.keys() ^ got.keys())
+    bad += sorted(f"{'.'.join(map(str, p))} {tuple(got[p].shape)} != {s}" for p, s in want.items()
+                  if p in got and tuple(got[p].shape) != s)
+    if bad:
+        raise ConversionError(f"{vdir}: {len(bad)} vision parameters missing, unexpected or of another shape than "
+                              f"the config's tower: {bad[:6]}")
+    leaves.update(got)
+    return [(hf[0], [(path, index, to_hf)]) for path, index, hf, _, to_hf in
+            vision_map.vision_rules(cfg.vision, "released")]
 
 
 def load_config(ckpt, model_name: str | None):
@@ -187,11 +251,11 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
     from k3jax.checkpoint import resolve_params_dir
     t0 = time.perf_counter()
     cfg = load_config(ckpt, model_name)
-    m = cfg.model
+    m, vis = cfg.model, cfg.vision.vision_enabled
     if m.mla_use_rope:
-        raise ConversionError("export supports the Kimi Linear and K3 layouts; this config uses RoPE MLA "
-                              "(Kimi K2 / DeepSeek-V3), which has no export layout here")
-    layout = "native" if is_kimi_linear_shaped(m) else "remote_prefixed"
+        layout = "deepseek_prefixed" if vis else "deepseek"
+    else:
+        layout = "native" if is_kimi_linear_shaped(m) and not vis else "remote_prefixed"
     params_dir = resolve_params_dir(ckpt)
     leaves = open_item(params_dir)
     if (params_dir.parent / "extra").is_dir():
@@ -212,6 +276,8 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
                                   f"but the model config needs {shape} (wrong --model_name?)")
     out = Path(out)
     plan = _plan(model, m, layout)
+    if vis:
+        plan += _vision_plan(cfg, params_dir, leaves)
     n_bytes = 0
     with ShardedWriter(str(out), max_shard_bytes) as w:
         for i, (name, sources) in enumerate(plan):
@@ -227,7 +293,7 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
             n_bytes += t.nbytes
             if progress and (i % 200 == 0 or i == len(plan) - 1):
                 print(f"\r{i + 1}/{len(plan)} tensors, {n_bytes / 2**20:,.1f} MiB", end="", file=sys.stderr)
-    (out / CONFIG_NAME).write_text(json.dumps(hf_config(m, layout, dtype), indent=2))
+    (out / CONFIG_NAME).write_text(json.dumps(hf_config(m, layout, dtype, cfg.vision if vis else None), indent=2))
     side_src = Path(tokenizer_dir) if tokenizer_dir else hf_files.find_source(params_dir)
     if tokenizer_dir and not hf_files.has_tokenizer(side_src):
         raise ConversionError(f"--tokenizer_dir {tokenizer_dir}: no tiktoken.model or tokenizer.json there")

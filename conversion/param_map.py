@@ -10,6 +10,12 @@ to_hf)``: ``our name`` is the parameter's dotted path inside a k3jax ``DecoderLa
   ``remote_prefixed`` is K3's, under ``language_model.``; ``remote_hf`` is what transformers 5.x
   ``save_pretrained`` writes by default (its "original format"): the remote names, except that the
   dense MLP of the first layers is also renamed to ``block_sparse_moe.{gate,up,down}_proj``.
+- Kimi K2 / DeepSeek-V3 text (all MLA): ``native`` is transformers' ``deepseek_v3`` (fused
+  ``mlp.experts.gate_up_proj``); ``deepseek`` the released K2 names (per-expert
+  ``mlp.experts.N.{gate,up,down}_proj``); ``deepseek_prefixed`` the released K2.5's text, under
+  ``language_model.``; ``deepseek_blocks`` what transformers' ``Kimi_K25`` ``save_pretrained`` writes
+  (``language_model.model.blocks.N``); ``native_k25`` transformers' own ``Kimi_K25`` names
+  (``model.language_model.layers.N``, fused experts, ``lm_head`` unprefixed).
 
 PyTorch linears are [out, in]; ours are [in, out], hence the transposes. Rules whose HF tensor is
 fused from several of ours (native ``conv1d``, ``experts.gate_up_proj``) have ``to_hf = None``; export
@@ -67,22 +73,35 @@ def fuse_to_hf(hf_name: str, parts: list) -> np.ndarray:
     raise ValueError(f"{hf_name}: no rule to fuse {len(parts)} parameters into this tensor")
 
 
+_ROOTS = {"remote_prefixed": ("language_model.model.", "language_model.lm_head"),
+          "deepseek_prefixed": ("language_model.model.", "language_model.lm_head"),
+          "deepseek_blocks": ("language_model.model.", "language_model.lm_head"),
+          "native_k25": ("model.language_model.", "lm_head")}
+
+
+def _roots(layout: str):
+    """(text model root, lm_head name, layer list name) of a layout."""
+    root, head = _ROOTS.get(layout, ("model.", "lm_head"))
+    return root, head, "blocks" if layout == "deepseek_blocks" else "layers"
+
+
 def global_rules(m, layout: str = "native"):
-    pre = "language_model." if layout == "remote_prefixed" else ""
-    rules = [("embed_tokens", [pre + "model.embed_tokens.weight"], _same, _same),
-             ("norm.weight", [pre + "model.norm.weight"], _same, _same)]
+    root, head, _ = _roots(layout)
+    rules = [("embed_tokens", [root + "embed_tokens.weight"], _same, _same),
+             ("norm.weight", [root + "norm.weight"], _same, _same)]
     if not m.tie_word_embeddings:
-        rules.append(("lm_head", [pre + "lm_head.weight"], _t, _t))
+        rules.append(("lm_head", [head + ".weight"], _t, _t))
     if m.attn_res:
-        rules += [("output_attn_res_proj", [pre + "model.output_attn_res_proj.weight"], _row, _unrow),
-                  ("output_attn_res_norm", [pre + "model.output_attn_res_norm.weight"], _same, _same)]
+        rules += [("output_attn_res_proj", [root + "output_attn_res_proj.weight"], _row, _unrow),
+                  ("output_attn_res_norm", [root + "output_attn_res_norm.weight"], _same, _same)]
     return rules
 
 
 def layer_rules(m, l: int, layout: str = "native"):
     """Rules for decoder layer ``l``: (our dotted name, [hf names], to_ours, to_hf)."""
-    pre = ("language_model." if layout == "remote_prefixed" else "") + f"model.layers.{l}."
-    remote = layout.startswith("remote")
+    root, _, layers = _roots(layout)
+    pre = f"{root}{layers}.{l}."
+    remote = layout.startswith(("remote", "deepseek"))   # per-expert tensors
     a = pre + "self_attn."
     r = [("input_layernorm.weight", [pre + "input_layernorm.weight"], _same, _same),
          ("post_attention_layernorm.weight", [pre + "post_attention_layernorm.weight"], _same, _same)]
@@ -130,14 +149,15 @@ def layer_rules(m, l: int, layout: str = "native"):
               lin("kv_b_proj", "kv_b_proj.weight"), lin("o_proj", "o_proj.weight")]
         if m.mla_use_output_gate:
             r.append(lin("g_proj", "g_proj.weight"))
-    r += ffn_rules(m, l, pre, remote, dense="block_sparse_moe." if layout == "remote_hf" else "mlp.")
+    r += ffn_rules(m, l, pre, remote, dense="block_sparse_moe." if layout == "remote_hf" else "mlp.",
+                   deepseek=layout.startswith("deepseek"))
     return r
 
 
-def ffn_rules(m, l, pre, remote, dense="mlp."):
+def ffn_rules(m, l, pre, remote, dense="mlp.", deepseek=False):
     if m.ffn(l) == "dense":
         return [(f"mlp.{n}", [pre + f"{dense}{n}.weight"], _t, _t) for n in ("gate_proj", "up_proj", "down_proj")]
-    b = pre + ("block_sparse_moe." if remote else "mlp.")
+    b = pre + ("block_sparse_moe." if remote and not deepseek else "mlp.")
     e, f = m.num_experts, m.moe_intermediate_size
     r = [("mlp.router", [b + "gate.weight"], _t, _t),
          ("mlp.e_score_correction_bias", [b + "gate.e_score_correction_bias"], _same, _same)]
@@ -150,7 +170,8 @@ def ffn_rules(m, l, pre, remote, dense="mlp."):
         if m.moe_latent_norm:
             r.append(("mlp.latent_norm", [b + "routed_expert_norm.weight"], _same, _same))
     if remote:  # per-expert [out, in] tensors, stacked into [E, in, out]
-        for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+        names = ("gate_proj", "up_proj", "down_proj") if deepseek else ("w1", "w3", "w2")
+        for ours, w in zip(("w_gate", "w_up", "w_down"), names):
             names = [b + f"experts.{i}.{w}.weight" for i in range(e)]
             r.append((f"mlp.{ours}", names, _stack_t, _unstack_t))
     else:
@@ -165,10 +186,21 @@ def ffn_rules(m, l, pre, remote, dense="mlp."):
 def detect_layout(names) -> str:
     """native (transformers' own names), remote (the released remote-code names), remote_hf (what
     transformers' default ``save_pretrained`` writes: the remote names, but the dense MLP of the
-    first layers also under ``block_sparse_moe.``) or remote_prefixed (K3: ``language_model.``)."""
-    names = set(names)
+    first layers also under ``block_sparse_moe.``) or remote_prefixed (K3: ``language_model.``);
+    for K2 / DeepSeek-V3 text with per-expert ``mlp.experts.N.gate_proj``: deepseek (unprefixed),
+    deepseek_prefixed (K2.5), deepseek_blocks (transformers' K2.5 save); native_k25 for
+    ``model.language_model.`` (vision tensors do not count)."""
+    names = {n for n in names if not n.startswith(("vision_tower.", "mm_projector.", "model.vision_tower.",
+                                                    "model.mm_projector."))}
     prefixed = any(n.startswith("language_model.") for n in names)
     remote = any(".block_sparse_moe." in n or "_conv1d.weight" in n for n in names)
+    per_expert = any(".mlp.experts.0.gate_proj." in n for n in names)
+    if any(n.startswith("model.language_model.") for n in names):
+        return "native_k25"
+    if any(n.startswith("language_model.model.blocks.") for n in names):
+        return "deepseek_blocks"
+    if per_expert and not remote:
+        return "deepseek_prefixed" if prefixed else "deepseek"
     if prefixed:
         return "remote_prefixed"
     if remote and any(n.endswith(".block_sparse_moe.gate_proj.weight") for n in names):
