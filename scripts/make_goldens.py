@@ -8,6 +8,10 @@ are written next to the checkpoint:
     tests/assets/kimi_linear_tiny/   KimiLinearForCausalLM  (KDA + NoPE MLA, sigmoid MoE)
     tests/assets/deepseek_v3_tiny/   DeepseekV3ForCausalLM  (Kimi-K2-like MLA + YaRN, grouped MoE)
 
+and a vision asset, made by scripts/make_vision_goldens.py (`--only kimi_k25_vision_tiny` here):
+
+    tests/assets/kimi_k25_vision_tiny/   Kimi_K25ForConditionalGeneration  (MoonViT3d + patchmerger)
+
 Each folder holds config.json, model.safetensors (native transformers parameter names, float32),
 golden.npz and meta.json; tests/assets/README.md documents the contents and the reference
 semantics.
@@ -17,8 +21,8 @@ and must not carry torch; triton must NOT be installed there, see docs/spec/ecos
 
     python3.11 -m venv .venv-golden
     .venv-golden/bin/pip install torch==2.13.0+cpu \
-        transformers==5.24.0 safetensors numpy
-    .venv-golden/bin/python scripts/make_goldens.py            # both assets, ~1 min on 2 cores
+        transformers==5.25.0 safetensors numpy
+    .venv-golden/bin/python scripts/make_goldens.py            # all three assets, ~1 min on 2 cores
     .venv-golden/bin/python scripts/make_goldens.py --only kimi_linear_tiny
 
 Every random draw comes from a fixed torch seed, so rerunning with the same torch/transformers
@@ -229,7 +233,7 @@ def incremental_decode(model, input_ids: torch.Tensor, prompt_len: int) -> np.nd
 
     Returns [B, T - prompt_len, V] float32: step i feeds token prompt_len + i and returns the
     logits at that position (same position as full_forward's logits[:, prompt_len + i]).
-    transformers 5.24 names the cache argument `cache=` (`past_key_values=` is deprecated).
+    transformers 5.24 and 5.25 name the cache argument `cache=` (`past_key_values=` is deprecated).
     """
     out = model(input_ids=input_ids[:, :prompt_len], use_cache=True)
     cache = out.cache
@@ -242,8 +246,9 @@ def incremental_decode(model, input_ids: torch.Tensor, prompt_len: int) -> np.nd
 
 
 @torch.no_grad()
-def routing_margins(model, input_ids: torch.Tensor) -> list[dict[str, float | None]]:
-    """Per MoE layer, the smallest top-k decision margins over all tokens of a full forward.
+def routing_margins(model, input_ids: torch.Tensor, **inputs) -> list[dict[str, float | None]]:
+    """Per MoE layer, the smallest top-k decision margins over all tokens of a full forward
+    (`inputs`: further model kwargs, e.g. the pixels of a multimodal prompt).
 
     Recomputes the router's selection scores s + b from the router's input (a forward hook), and
     returns {"expert": min over tokens of (k-th - (k+1)-th selection score among experts of the
@@ -269,7 +274,7 @@ def routing_margins(model, input_ids: torch.Tensor) -> list[dict[str, float | No
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
     handles = [r.register_forward_hook(hook) for r in routers]
     try:
-        model(input_ids=input_ids, use_cache=False)
+        model(input_ids=input_ids, **({"use_cache": False} | inputs))
     finally:
         for handle in handles:
             handle.remove()
@@ -408,6 +413,7 @@ def build_asset(name: str, config, model_cls, seed: int, out_root: Path) -> dict
     return meta
 
 
+VISION_ASSET = "kimi_k25_vision_tiny"  # scripts/make_vision_goldens.py
 ASSETS = {
     "kimi_linear_tiny": (kimi_linear_config, KimiLinearForCausalLM, 1234),
     "deepseek_v3_tiny": (deepseek_v3_config, DeepseekV3ForCausalLM, 5678),
@@ -417,7 +423,7 @@ ASSETS = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "assets")
-    parser.add_argument("--only", choices=sorted(ASSETS), action="append")
+    parser.add_argument("--only", choices=sorted(ASSETS) + [VISION_ASSET], action="append")
     args = parser.parse_args(argv)
 
     try:  # a present triton makes transformers bind fla kernels; refuse rather than crash later
@@ -427,7 +433,12 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     torch.use_deterministic_algorithms(True)
-    for name in args.only or sorted(ASSETS):
+    for name in args.only or sorted(ASSETS) + [VISION_ASSET]:
+        if name == VISION_ASSET:
+            import make_vision_goldens  # sibling script (this folder is on sys.path)
+
+            make_vision_goldens.main(["--out", str(args.out)])
+            continue
         make_config, model_cls, seed = ASSETS[name]
         meta = build_asset(name, make_config(), model_cls, seed, args.out)
         size = sum(f.stat().st_size for f in (args.out / name).iterdir())
