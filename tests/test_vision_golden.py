@@ -6,7 +6,8 @@ one padded sequence; every stage of the tower, the sd2_tpool merge and the proje
 The weights are read from the asset's model.safetensors, which holds transformers' own names
 (``save_original_format=False``): q/k/v split and the q, k rows in rotate-half order. The loader
 below maps them to k3jax by docs/vision.md sections 3.1 and 6 on its own, independent of the
-converter, so it also checks the spec's inverse permutation against transformers."""
+converter, so it also checks the spec's inverse permutation against transformers; the converter's
+own map (conversion.vision_map) must then give the same parameters bit for bit."""
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from conversion import vision_map
 from k3jax import config as C
 from k3jax.vision import build_vision, layout_arrays, media_layout, merge_patches
 
@@ -166,6 +168,34 @@ def test_rope_row_order_is_visible_in_the_golden(golden):
     errs = errors(run(permute=False), g)
     assert errs["patch + position embedding"][1] < REL_TOL
     assert errs["block 0 output"][1] > 1e-2, errs["block 0 output"]
+
+
+def test_converter_reads_the_asset_as_the_spec_does(golden):
+    """conversion.vision_map on transformers' own save: the layout is detected as native, the
+    vision keys derived from config.json equal this test's, its rules use every vision tensor once
+    and give bit for bit the parameters of the loader above (so hf_to_k3jax's vision weights meet
+    the same tolerances)."""
+    cfg, sd, _, _ = golden
+    hf = json.loads((ASSET / "config.json").read_text())
+    assert vision_map.detect_vision_layout(list(sd), hf) == "native"
+    derived = vision_map.vision_overrides_from_hf(hf)
+    for key in (*vision_map.ARCH_KEYS, "vision_mlp_activation", "vision_norm_eps", "vision_pos_emb_time",
+                "vision_pos_interp", "vision_projector_eps"):
+        assert derived[key] == getattr(cfg.vision, key), key
+    got, used = {}, []
+    for path, index, names, to_ours, _ in vision_map.vision_rules(cfg.vision, "native"):
+        used += names
+        val = to_ours(*(sd[n] for n in names))
+        if index:
+            got.setdefault(path, {})[index[0]] = val
+        else:
+            got[path] = val
+    got = {k: np.stack([v[i] for i in sorted(v)]) if isinstance(v, dict) else v for k, v in got.items()}
+    assert sorted(used) == sorted(n for n in sd if vision_map.is_vision_name(n))
+    want = k3jax_params(sd, cfg.vision)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
 
 
 def test_asset_records_its_making():
