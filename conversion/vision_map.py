@@ -10,7 +10,8 @@ order (q, k in interleaved RoPE pairs). Three Hugging Face layouts hold the same
   ``mm_projector.{pre_norm,proj.0,proj.2,post_norm}``. Which tensors exist follows the switches
   (K3: no biases, RMSNorm without bias, ``post_norm`` instead of ``pre_norm``).
 - ``hf_save``: what transformers 5.25's ``save_pretrained`` writes for ``Kimi_K25``: the released
-  names, except the projector pre-norm as ``model.mm_projector.pre_norm`` (docs/vision.md §6).
+  names, except the projector pre-norm as ``model.mm_projector.pre_norm`` (docs/vision.md §6) and
+  the patch conv as ``vision_tower.encoder.patch_embed.proj`` (seen in a save of a tiny model).
 - ``native``: transformers' own names (``save_pretrained(save_original_format=False)``, or a
   ``state_dict``): ``model.vision_tower.layers.N.{norm1,norm2,attn.{q,k,v}_proj,attn.proj,mlp.fc1,
   mlp.fc2}``, ``pos_emb.position_embeddings``, ``model.mm_projector.{in_proj,out_proj}``; q and k
@@ -60,7 +61,9 @@ def _names(layout: str) -> dict:
                     post="model.mm_projector.post_norm")
     if layout not in LAYOUTS:
         raise ValueError(f"vision layout {layout!r}: choose one of {LAYOUTS}")
-    return dict(patch="vision_tower.patch_embed.proj", pos="vision_tower.patch_embed.pos_emb.weight",
+    # transformers' save also moves the patch conv under ``encoder.`` (its reverse rename)
+    patch = "vision_tower.encoder.patch_embed.proj" if layout == "hf_save" else "vision_tower.patch_embed.proj"
+    return dict(patch=patch, pos="vision_tower.patch_embed.pos_emb.weight",
                 blk="vision_tower.encoder.blocks.{}.", norm0="norm0", norm1="norm1", wo="wo", fc0="mlp.fc0",
                 fc1="mlp.fc1", final="vision_tower.encoder.final_layernorm",
                 pre=("model." if layout == "hf_save" else "") + "mm_projector.pre_norm",
@@ -210,6 +213,7 @@ def vision_overrides_from_hf(hf: dict) -> dict:
          "vision_pos_emb_width": get("init_pos_emb_width", "pos_emb_width", default=64),
          "vision_pos_emb_time": get("init_pos_emb_time", "pos_emb_time", default=4),
          "vision_pos_interp": get("pos_emb_interpolation_mode", default="bicubic"),
+         "vision_rope_theta": float((get("rope_parameters", default=None) or {}).get("rope_theta", 10000.0)),
          "vision_projector": proj,
          "vision_projector_eps": float(hf.get("projection_layer_norm_eps", 1e-05) if native
                                        else get("projector_ln_eps", default=1e-05))}
