@@ -382,6 +382,9 @@ def resolve_config(hf: dict, out: Path, model_name: str | None, dtype: str, layo
         (out / "model.yml").write_text(yaml.safe_dump({**derived, **vision}, sort_keys=False))
         return C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={out / 'model.yml'}", f"weight_dtype={dtype}"])
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={model_name}", f"weight_dtype={dtype}"])
+    if text_only and cfg.vision.vision_enabled:
+        raise ConversionError(f"--text_only with model_name={model_name}, whose vision_enabled is true; "
+                              "name a text-only model config (or drop --model_name)")
     if cfg.model.router_weights_from_biased != derived["router_weights_from_biased"]:
         print(f"note: router_weights_from_biased={derived['router_weights_from_biased']} for this {layout}-layout "
               f"checkpoint (model_name={model_name} says {cfg.model.router_weights_from_biased}); pass it to the "
@@ -503,12 +506,10 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
 
 
 def _vision_steps(cfg, reader, full, hf_dir, steps) -> str:
-    """Append the vision tower's conversion steps to ``steps``; returns the checkpoint's vision
-    layout. A checkpoint without (all) the tensors the config's tower needs is refused."""
+    """Append the tower's steps to ``steps``; returns the vision layout (refused: tensors missing)."""
     names = reader.logical_keys()
-    where = os.path.join(str(hf_dir), "config.json")
     try:
-        vlayout = vision_map.detect_vision_layout(names, full, where)
+        vlayout = vision_map.detect_vision_layout(names, full, os.path.join(str(hf_dir), "config.json"))
     except ValueError as e:
         raise ConversionError(str(e)) from None
     msg = vision_map.missing_message(cfg.vision, vlayout or "released", names, str(hf_dir))
@@ -586,7 +587,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts_format", default="dense", choices=["dense", "mxfp4"],
                     help="mxfp4: keep MXFP4 routed experts packed in <out>/experts_mxfp4 (load with experts_format=mxfp4)")
     ap.add_argument("--text_only", action="store_true",
-                    help="without --model_name: leave the vision tower of a multimodal checkpoint out (skipped, counted)")
+                    help="derive a text-only config: leave the vision tower of a multimodal checkpoint out (skipped, counted)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def run():

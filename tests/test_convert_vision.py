@@ -187,6 +187,8 @@ def test_vision_map_covers_every_parameter_once_and_inverts(name, layout, models
     want |= {(p, ()) for p in vision if p[1] != "blocks"}
     assert set(slices) == want
     assert all(vision_map.is_vision_name(n) for n in names)
+    flat = vision_map.to_flat(cfg.vision, layout, vision_hf(cfg.vision, layout, vision).__getitem__)
+    assert flat.keys() == vision.keys() and all(np.array_equal(flat[p], x) for p, x in vision.items())
     assert vision_map.detect_vision_layout(list(names), {"architectures": ["Kimi_K25ForConditionalGeneration"]
                                                          if layout != "released" else []}) == layout
 
@@ -272,6 +274,16 @@ def test_k2_text_export_without_the_tower_round_trips(models, converted, tmp_pat
     text = models["k25"][2]
     got = {**_item(tmp_path / "ckpt" / "params"), **_item(tmp_path / "ckpt" / "extra")}
     assert got.keys() == text.keys() and all(np.array_equal(got[p], x) for p, x in text.items())
+
+
+def test_model_name_must_agree_with_the_vision_config(converted, tmp_path):
+    d, _, _ = converted["k25_native"]
+    yml = tmp_path / "wide.yml"
+    yml.write_text((d / "ckpt" / "model.yml").read_text().replace("vision_hidden_size: 32", "vision_hidden_size: 48"))
+    with pytest.raises(ConversionError, match="vision_hidden_size: checkpoint 32 vs config 48"):
+        convert(str(d / "hf"), str(tmp_path / "o1"), model_name=str(yml), progress=False)
+    with pytest.raises(ConversionError, match="--text_only with model_name=.*vision_enabled is true"):
+        convert(str(d / "hf"), str(tmp_path / "o2"), model_name=str(d / "ckpt" / "model.yml"), text_only=True)
 
 
 def test_unknown_vision_layout_is_one_line():
