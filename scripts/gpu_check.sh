@@ -7,15 +7,16 @@
 # The CPU dry run (CI runs it: tests/test_gpu_check.py):
 #   bash scripts/gpu_check.sh --dry-run /tmp/gpu_check_dry
 #
-# Parts, in this order, each under `timeout` (seconds: its own budget, cut to what is left of 300):
-#   b  train_step.json   benchmarks/train_step.py --gpu: small and k3-slice, bf16, remat none and full,
-#                        tokens/s and MFU, median of steps 3-10 (90 s)
+# Parts, in this order, each under `timeout` (seconds: its own budget, cut to what is left of 300;
+# install ~20 s first):
+#   a  tests.json        the one-device numerics tests below on the card, f32 and bf16 (35 s)
+#   b  train_step.json   benchmarks/train_step.py --gpu: k3-slice and small, bf16, remat none and full,
+#                        tokens/s and MFU, median of steps 3-10; rewritten after each row (100 s)
 #   c  kda.json          benchmarks/kda.py --gpu: k3jax's chunked KDA, B=1 H=16 K=V=128, T 2048 / 8192,
 #      kda_fla.json      bf16, inputs and outputs saved; then benchmarks/kda_fla.py: fla's chunk_kda
-#                        on the same inputs in a torch process, timed and compared (30 + 30 s)
+#                        on the same inputs in a torch process, timed and compared (25 + 45 s)
 #   d  decode_vs_hf.json benchmarks/decode_vs_hf.py --gpu: greedy decode, k3jax vs transformers,
 #                        batch 1 / 8 / 32, tokens in f32, speed in bf16 (75 s)
-#   a  tests.json        the one-device numerics tests below on the card, f32 and bf16 (45 s)
 #   gpu_check.json       every part's exit code and seconds (rewritten after each part); all output
 #                        goes to gpu_check.log (8 files at most come back from a device run)
 # --dry-run: the same JAX parts on the host CPU at tiny sizes, no wheels; the torch parts (fla,
@@ -27,7 +28,7 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 [ $# -eq 1 ] || { echo "usage: scripts/gpu_check.sh [--dry-run] OUT_DIR" >&2; exit 2; }
 mkdir -p "$1" && OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-BUDGET=${GPU_CHECK_BUDGET_S:-300}
+BUDGET=${GPU_CHECK_BUDGET_S:-$([ $DRY = 1 ] && echo 900 || echo 300)}  # the dry run: a slow CI host, cold caches
 START=$SECONDS
 WORK=$(mktemp -d /tmp/k3jax_gpu_check.XXXXXX)
 LOG=$OUT/gpu_check.log
@@ -119,36 +120,6 @@ part() {
   echo "$name: rc $rc, $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (timed out)')"
 }
 
-# b: train step
-if [ $DRY = 1 ]; then
-  part k3_slice_config 30 "$PY" -m k3jax.config configs/base.yml model_name=k3-slice
-  grep -q "parameters: total 4.88B" "$LOG" || { echo "error: k3-slice is not 4.88B parameters"; STATUS+=("k3_slice_params:1:0"); }
-  part train_step 120 "$PY" benchmarks/train_step.py --gpu --dry-run --config tiny --remat full --warmup 1 --repeats 1 \
-    --set per_device_batch_size=1 max_target_length=32 num_layers=4 "mla_extra_layers=[]" attn_res_block_size=4 \
-    --out "$OUT/train_step.json"
-else
-  part train_step 90 "$PY" benchmarks/train_step.py --gpu --out "$OUT/train_step.json"
-fi
-
-# c: KDA, k3jax then fla (separate processes: JAX holds most of the card while it lives)
-if [ $DRY = 1 ]; then
-  part kda 90 "$PY" benchmarks/kda.py --gpu --dry-run --lengths 64 --heads 2 --dim 16 --chunk 16 --repeats 1 \
-    --save-io "$WORK/kda_io" --out "$OUT/kda.json"
-  echo "kda_fla: skipped (dry run: torch and fla are not installed here)" | tee -a "$LOG"
-else
-  part kda 30 "$PY" benchmarks/kda.py --gpu --save-io "$WORK/kda_io" --out "$OUT/kda.json"
-  part kda_fla 30 "$PY" benchmarks/kda_fla.py "$WORK/kda_io" --kda-json "$OUT/kda.json" --out "$OUT/kda_fla.json"
-fi
-rm -rf "$WORK/kda_io"
-
-# d: decode vs transformers
-if [ $DRY = 1 ]; then
-  part decode 120 "$PY" benchmarks/decode_vs_hf.py --gpu --dry-run --hf-model tests/assets/kimi_linear_formats/original \
-    --work "$WORK/decode" --batch 2 --prompt-len 8 --new-tokens 3 --rounds 1 --out "$OUT/decode_vs_hf.json"
-else
-  part decode 75 "$PY" benchmarks/decode_vs_hf.py --gpu --work "$WORK/decode" --out "$OUT/decode_vs_hf.json"
-fi
-
 # a: the one-device numerics tests (dry run: collected only, so a renamed test fails CI)
 tests_json() {
   "$PY" - "$WORK/tests.log" "$OUT/tests.json" "$@" <<'EOF'
@@ -164,12 +135,42 @@ EOF
 if [ $DRY = 1 ]; then
   part tests 60 "$PY" -m pytest --collect-only -q -p no:cacheprovider -k "$TEST_FILTER" "${TESTS[@]}"
 else
-  part tests 45 env JAX_PLATFORMS=cuda K3JAX_TEST_HOST_DEVICES=1 "$PY" -m pytest -v -p no:cacheprovider \
+  part tests 35 env JAX_PLATFORMS=cuda K3JAX_TEST_HOST_DEVICES=1 "$PY" -m pytest -v -p no:cacheprovider \
     -k "$TEST_FILTER" "${TESTS[@]}"
 fi
 if [ $DRY = 0 ]; then
   grep -E "^tests/\S+ (PASSED|FAILED|ERROR|SKIPPED)" "$LOG" > "$WORK/tests.log" 2>/dev/null
   tests_json "${TESTS[@]}" | tee -a "$LOG"
+fi
+
+# b: train step
+if [ $DRY = 1 ]; then
+  part k3_slice_config 30 "$PY" -m k3jax.config configs/base.yml model_name=k3-slice
+  grep -q "parameters: total 4.88B" "$LOG" || { echo "error: k3-slice is not 4.88B parameters"; STATUS+=("k3_slice_params:1:0"); }
+  part train_step 120 "$PY" benchmarks/train_step.py --gpu --dry-run --config tiny --remat full --warmup 1 --repeats 1 \
+    --set per_device_batch_size=1 max_target_length=32 num_layers=4 "mla_extra_layers=[]" attn_res_block_size=4 \
+    --out "$OUT/train_step.json"
+else
+  part train_step 100 "$PY" benchmarks/train_step.py --gpu --out "$OUT/train_step.json"
+fi
+
+# c: KDA, k3jax then fla (separate processes: JAX holds most of the card while it lives)
+if [ $DRY = 1 ]; then
+  part kda 90 "$PY" benchmarks/kda.py --gpu --dry-run --lengths 64 --heads 2 --dim 16 --chunk 16 --repeats 1 \
+    --save-io "$WORK/kda_io" --out "$OUT/kda.json"
+  echo "kda_fla: skipped (dry run: torch and fla are not installed here)" | tee -a "$LOG"
+else
+  part kda 25 "$PY" benchmarks/kda.py --gpu --save-io "$WORK/kda_io" --out "$OUT/kda.json"
+  part kda_fla 45 "$PY" benchmarks/kda_fla.py "$WORK/kda_io" --kda-json "$OUT/kda.json" --out "$OUT/kda_fla.json"
+fi
+rm -rf "$WORK/kda_io"
+
+# d: decode vs transformers
+if [ $DRY = 1 ]; then
+  part decode 120 "$PY" benchmarks/decode_vs_hf.py --gpu --dry-run --hf-model tests/assets/kimi_linear_formats/original \
+    --work "$WORK/decode" --batch 2 --prompt-len 8 --new-tokens 3 --rounds 1 --out "$OUT/decode_vs_hf.json"
+else
+  part decode 75 "$PY" benchmarks/decode_vs_hf.py --gpu --work "$WORK/decode" --rounds 1 --out "$OUT/decode_vs_hf.json"
 fi
 
 # The wheel list against every import of the GPU path (the benchmark scripts, the test list).

@@ -7,7 +7,8 @@ Run by ``scripts/gpu_check.sh --dry-run`` (CI) with the project's venv, no wheel
    imports too: they run on the GPU path), are parsed (ast), never imported.
 2. Each package the wheel list carries that is installed here is followed the same way, but only
    through its module-level imports (what importing it runs), skipping imports guarded by
-   ``try: ... except ImportError`` and ``if TYPE_CHECKING:``.
+   ``try: ... except ImportError``, ``if TYPE_CHECKING:`` and ``if sys.platform ...``, and modules not
+   installed here (the package imports here without them, so only under a condition, as flax's flaxlib).
 3. Every third-party top-level module found must belong to a distribution that is preinstalled on
    the GPU image (IMAGE below, from the device docs' package list) or in the wheel list; and every
    requirement of a carried package on an image package whose image version is known (IMAGE_VERSIONS)
@@ -177,6 +178,8 @@ def main(argv: list[str]) -> int:
                 continue
             if top in LOCAL or local_file(top):
                 continue
+            if module_only and importlib.util.find_spec(top) is None:
+                continue       # a carried package imports it only conditionally: it imports here without it
             third.setdefault(top, os.path.relpath(path, ROOT) if path.startswith(ROOT) else path)
             ds = dists.get(top) or [norm(MODULE_DIST.get(top, top))]
             if any(d in wheels for d in ds):       # follow what importing a carried package runs

@@ -69,3 +69,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert decode["dry_run"] and decode["rows"][0]["k3jax_new_tokens_per_s"] > 0
     assert "parameters: total 4.88B" in log
     print(f"gpu_check.sh --dry-run: {wall:.1f} s\n{r.stdout}")
+
+
+def test_gpu_imports_names_a_module_the_wheels_miss(monkeypatch, capsys):
+    """The import check fails, naming the module, when a needed package is neither on the GPU image
+    nor in the wheel list (grain, which k3jax's data pipeline imports); the dry run shows it passing."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_imports
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    entry = [str(ROOT / "benchmarks" / "train_step.py")]       # passing with the list: the dry run
+    wheels = gpu_imports.wheel_list()
+    monkeypatch.setattr(gpu_imports, "wheel_list", lambda: {k: v for k, v in wheels.items() if k != "grain"})
+    assert gpu_imports.main(entry) == 1
+    assert "error: module 'grain'" in capsys.readouterr().out
