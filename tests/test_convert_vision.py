@@ -286,6 +286,18 @@ def test_model_name_must_agree_with_the_vision_config(converted, tmp_path):
         convert(str(d / "hf"), str(tmp_path / "o2"), model_name=str(d / "ckpt" / "model.yml"), text_only=True)
 
 
+def test_detect_k2_text_layouts_ignoring_vision_tensors():
+    e = "mlp.experts.0.gate_proj.weight"
+    vis = ["model.vision_tower.layers.0.attn.q_proj.weight", "vision_tower.encoder.blocks.0.wqkv.weight"]
+    assert param_map.detect_layout([f"model.layers.1.{e}"]) == "deepseek"
+    assert param_map.detect_layout([f"language_model.model.layers.1.{e}_packed", *vis]) == "deepseek_prefixed"
+    assert param_map.detect_layout([f"language_model.model.blocks.1.{e}", *vis]) == "deepseek_blocks"
+    assert param_map.detect_layout(["model.language_model.layers.1.mlp.experts.gate_up_proj", *vis]) == "native_k25"
+    assert param_map.detect_layout(["model.layers.1.mlp.experts.gate_up_proj", *vis]) == "native"
+    assert param_map.detect_layout(["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight",
+                                    *vis]) == "remote_prefixed"
+
+
 def test_unknown_vision_layout_is_one_line():
     with pytest.raises(ValueError) as e:
         vision_map.detect_vision_layout(["vision_tower.blocks.0.attn.qkv.weight"], {"architectures": ["X"]}, "c.json")
