@@ -206,7 +206,7 @@ def test_moe_expert_parallel_splits_tokens_over_context_slices():
     routed its row's whole sequence, B*T/4 here), and the forward equals one device's."""
     cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "num_layers=2", "mla_extra_layers=[1]",
                                                "attn_res_block_size=1", "first_k_dense=0", "max_target_length=32",
-                                               "moe_ep_transport=padded", "ici_context_parallelism=2",
+                                               "ici_context_parallelism=2",
                                                "ici_expert_parallelism=2", "ici_fsdp_parallelism=2"])
     mesh = S.make_mesh(cfg)
     single = randomize(M.build(cfg, 0), seed=2)

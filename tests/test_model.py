@@ -136,8 +136,7 @@ def test_mixed_length_batch_equals_each_alone(tiny):
 
 
 def test_sharded_forward_equals_single_device():
-    cfg = cfg_of("model_name=tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2",
-                 "moe_ep_transport=padded")
+    cfg = cfg_of("model_name=tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_data_parallelism=2")
     mesh = S.make_mesh(cfg)
     gdef, st, _ = init_state(cfg, mesh, seed=0)
     sharded = nnx.merge(gdef, st["params"], st["rest"])

@@ -165,7 +165,7 @@ def test_expert_parallel_decode_equals_one_device_for_any_batch_and_prompt():
     """ep=2 on the 8-device mesh: 3 rows left-padded to 6 prompt tokens (prefill 18 tokens, decode
     3: neither divides the 8 token shards) decode the same greedy tokens as on one device, with
     packed experts."""
-    base = [*TINY, "experts_format=mxfp4", "moe_ep_transport=padded"]
+    base = [*TINY, "experts_format=mxfp4"]
     one = C.load(C.REPO_CONFIGS / "base.yml", base)
     ep = C.load(C.REPO_CONFIGS / "base.yml", [*base, "ici_expert_parallelism=2"])
     dense = C.load(C.REPO_CONFIGS / "base.yml", TINY)
