@@ -83,6 +83,22 @@ def test_auto_attention_picks_per_platform_and_shape():
         np.testing.assert_array_equal(g, w)                   # on CPU: the jnp path itself
 
 
+def test_auto_resolves_for_the_mesh_an_aot_compile_lowers_for():
+    """Under a mesh of TPU topology devices (an ahead-of-time compile from this CPU host) every
+    ``auto`` resolves for TPU, the attention call included; outside it, for the CPU."""
+    from k3jax import topology as TP
+    from k3jax.compile import topology_mesh
+    if not TP.libtpu_available():
+        pytest.skip("libtpu is not installed: no TPU topology")
+    _, mesh = topology_mesh(C.load(C.REPO_CONFIGS / "base.yml", ["ici_fsdp_parallelism=4"]), "v5p:2x2x1")
+    q, k, v, _ = _qkv(jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        assert [resolve(key, "auto") for key in ("moe_ep_transport", "kda_impl", "moe_impl")] == \
+            ["ragged", "chunked", "ragged_dot"]
+        assert resolve_attention("auto", q, k, v) == "blocked"
+    assert resolve_attention("auto", q, k, v) == "jnp" and resolve("moe_ep_transport", "auto") == "padded"
+
+
 def test_auto_kda_is_the_chunked_core():
     r = np.random.default_rng(1)
     b, t, h, d = 1, 32, 2, 16
