@@ -14,7 +14,15 @@ tokenizer directory for its vocabulary, then:
    output tokens/s = all generated tokens / wall time from the first request to the last answer;
    time to first token (request sent -> first token received) and inter-token latency (gaps
    between consecutive tokens of a request) as p50 / p99 over all requests. A warm-up request runs
-   first so compilation is not measured.
+   first so compilation is not measured. The server compiles decode for its default batch buckets
+   (powers of two up to serve_max_batch), so each step runs the smallest that holds the load;
+3. the shared-prefix run (skip with --prefix-len 0): two more servers (serve_max_batch 8, a context
+   for the prefix, the suffix and --prefix-new-tokens), one with the prefix cache (its default
+   size) and one with serve_prefix_cache_bytes=0. Prompts are one common --prefix-len-token prefix
+   plus different --suffix-len-token suffixes; after a warm-up request with its own suffix (which
+   fills the cache), --prefix-requests requests run one after another and their time to first
+   token is the median. Both servers' greedy tokens must be identical; the cached server's
+   prefix cache lines of /metrics are printed.
 
     .venv/bin/python benchmarks/serve.py                     # small, concurrency 1 8 32
     .venv/bin/python benchmarks/serve.py --config tiny --concurrency 1 8
@@ -31,12 +39,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 from common import ROOT, cpu_only, machine, print_table, result_path, write_json
 
 cpu_only()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
@@ -80,11 +90,11 @@ def free_port() -> int:
     return port
 
 
-def start_server(args: list[str], slots: int, context: int, chunk: int, log: str):
+def start_server(args: list[str], slots: int, context: int, chunk: int, log: str, extra=()):
     port = free_port()
     cmd = [sys.executable, "-m", "k3jax.serve", "configs/base.yml", *args, f"serve_port={port}",
            f"serve_max_batch={slots}", f"serve_max_queue={4 * slots}", f"max_target_length={context}",
-           f"serve_prefill_chunk={chunk}"]
+           f"serve_prefill_chunk={chunk}", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     deadline = time.time() + 3600
     while time.time() < deadline:
@@ -99,16 +109,80 @@ def start_server(args: list[str], slots: int, context: int, chunk: int, log: str
 
 
 def one_request(client, name, prompt, new_tokens) -> dict:
-    """A streaming greedy completion -> send time, token arrival times."""
+    """A streaming greedy completion -> send time, token arrival times, token ids."""
     t0 = time.perf_counter()
-    times = []
+    times, ids = [], []
     for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=new_tokens, stream=True,
-                                           temperature=0, logprobs=0, extra_body={"ignore_eos": True}):
+                                           temperature=0, logprobs=0,
+                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}):
         now = time.perf_counter()
         for c in chunk.choices:
             if c.logprobs is not None:
                 times += [now] * len(c.logprobs.tokens)
-    return {"start": t0, "times": times}
+                ids += [int(t.split(":")[1]) for t in c.logprobs.tokens]
+    return {"start": t0, "times": times, "ids": ids}
+
+
+def bucket_steps(args, slots: int, context: int, chunk: int, repeats: int = 5) -> list[dict]:
+    """In process: ms per decode step of the server's programs with n active slots (the gather into
+    bucket n and the scatter back), against ``model.decode_step`` on a cache of n rows alone (what a
+    compacted batch would run; no gather), median of ``repeats`` after one warm-up."""
+    from flax import nnx
+
+    from k3jax.serve.programs import Programs
+    from k3jax.state import load_model
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    model = load_model(cfg, mesh)
+    progs = Programs(model, mesh, slots=slots, length=context, chunk=chunk)
+    gdef, state = nnx.split(model)
+    plain = jax.jit(lambda st, t, c, p: nnx.merge(gdef, st).decode_step(t, c, p, jnp.zeros_like(p)), donate_argnums=2)
+    rows = []
+    for n in progs.decode_sizes:
+        active = np.arange(slots) < n
+        z = np.zeros(slots, np.int32)
+        cache = jax.tree.map(lambda s: jnp.zeros(s[0], s[1]), model.cache_spec(n, context),
+                             is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple))
+        tok, pos = jnp.zeros(n, jnp.int32), jnp.full(n, 5, jnp.int32)
+        g, c = [], []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            progs.decode(z, z + 5, active, np.zeros(slots, np.float32), z, np.ones(slots, np.float32),
+                         z.astype(np.uint32), z)
+            g.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            logits, cache = plain(state, tok, cache, pos)
+            jax.block_until_ready(logits)
+            c.append(time.perf_counter() - t0)
+        rows.append({"bucket": n, "gather_ms": 1e3 * float(np.median(g[1:])),
+                     "contiguous_ms": 1e3 * float(np.median(c[1:]))})
+    return rows
+
+
+def prefix_run(args, work, tok, a, cache: bool) -> dict:
+    """The shared-prefix prompts on a server with the prefix cache on or off -> TTFT median, tokens."""
+    rng = np.random.default_rng(1)
+    prefix = [int(x) for x in rng.integers(0, tok.n_base, a.prefix_len)]
+    prompts = [prefix + [int(x) for x in rng.integers(0, tok.n_base, a.suffix_len)]
+               for _ in range(a.prefix_requests + 1)]
+    context = a.prefix_len + a.suffix_len + a.prefix_new_tokens
+    extra = [] if cache else ["serve_prefix_cache_bytes=0"]
+    proc, port = start_server(args, 8, context, a.prefill_chunk, os.path.join(work, f"prefix-{cache}.log"), extra)
+    try:
+        import openai
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
+        name = client.models.list().data[0].id
+        one_request(client, name, prompts[0], a.prefix_new_tokens)      # warm-up (fills the cache)
+        runs = [one_request(client, name, p, a.prefix_new_tokens) for p in prompts[1:]]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(600)
+    ttft = [r["times"][0] - r["start"] for r in runs]
+    return {"cache": "on" if cache else "off", "requests": len(runs), "ttft_p50_ms": 1e3 * float(np.median(ttft)),
+            "ttft_min_ms": 1e3 * min(ttft), "ttft_max_ms": 1e3 * max(ttft), "ids": [r["ids"] for r in runs],
+            "metrics": [line for line in metrics.splitlines()
+                        if line.startswith("k3jax_prefix_cache") and "_created" not in line]}
 
 
 def load_level(client, name, prompts, conc: int, per_client: int, new_tokens: int) -> dict:
@@ -145,6 +219,11 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--no-bucket-steps", action="store_true", help="skip the in-process decode step per bucket")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix run (0 = skip it)")
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--prefix-requests", type=int, default=8)
+    p.add_argument("--prefix-new-tokens", type=int, default=8)
     p.add_argument("--out", default=result_path("serve"))
     a = p.parse_args(argv)
     import openai
@@ -167,6 +246,13 @@ def main(argv=None):
     print(f"decode CLI (one prompt): prefill {cli['prefill_tokens_per_s']:.1f} tok/s, decode "
           f"{cli['decode_tokens_per_s']:.1f} tok/s", flush=True)
 
+    steps = []
+    if not a.no_bucket_steps:
+        steps = bucket_steps(args, max(a.concurrency), context, a.prefill_chunk)
+        print(f"\ndecode step, serve_max_batch {max(a.concurrency)}, context {context}: n active slots gathered into "
+              f"bucket n vs decode_step on n contiguous rows")
+        print_table(steps, [("bucket", "bucket", "d"), ("gather step ms", "gather_ms", ".1f"),
+                            ("contiguous step ms", "contiguous_ms", ".1f")])
     proc, port = start_server(args, max(a.concurrency), context, a.prefill_chunk, os.path.join(work, "server.log"))
     rows = []
     try:
@@ -189,8 +275,21 @@ def main(argv=None):
                        ("output tok/s", "output_tokens_per_s", ".1f"), ("x CLI", "x_decode_cli", ".2f"),
                        ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
                        ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f")])
+    prefix = []
+    if a.prefix_len:
+        prefix = [prefix_run(args, work, tok, a, cache) for cache in (True, False)]
+        same = prefix[0].pop("ids") == prefix[1].pop("ids")
+        speedup = prefix[1]["ttft_p50_ms"] / prefix[0]["ttft_p50_ms"]
+        print(f"\nshared prefix: {a.prefix_len}-token prefix + {a.suffix_len}-token suffixes, "
+              f"{a.prefix_new_tokens} new tokens, serve_max_batch 8, chunk {a.prefill_chunk}; time to first token (warm, one request at a time) "
+              f"{speedup:.1f}x faster with the cache; tokens identical: {same}")
+        print_table(prefix, [("prefix cache", "cache", ""), ("requests", "requests", "d"),
+                             ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT min ms", "ttft_min_ms", ".0f"),
+                             ("TTFT max ms", "ttft_max_ms", ".0f")])
+        print("\n/metrics of the cached server:\n" + "\n".join(prefix[0]["metrics"]))
+        prefix = {"runs": prefix, "ttft_speedup": speedup, "tokens_identical": same}
     write_json(a.out, {"benchmark": "serve", "machine": info, "settings": vars(a), "decode_cli": cli,
-                       "levels": rows})
+                       "levels": rows, "bucket_steps": steps, "prefix": prefix})
 
 
 if __name__ == "__main__":

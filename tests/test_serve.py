@@ -354,7 +354,9 @@ def test_wire_round_trip():
     dec = Step.decode(rng.integers(0, 500, 4), rng.integers(0, 90, 4), [True, False, True, True],
                       rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2])
     pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
-    for step in (dec, pre, Step.reset(2), Step("noop"), Step("stop")):
+    cache_steps = [Step.ints("save_block", 1, 48, 7), Step.ints("save_state", 2, 2**31 - 1), Step.ints("drop", 5),
+                   Step.ints("load_block", 3, 0, 9), Step.ints("load_state", 0, 8)]
+    for step in (dec, pre, Step.reset(2), Step("noop"), Step("stop"), *cache_steps):
         back = w.unpack(w.pack(step))
         assert back.kind == step.kind and len(back.args) == len(step.args)
         for a, b in zip(back.args, step.args):

@@ -2,7 +2,7 @@
 
 ``serve_max_batch`` slots share one decode cache (``model.cache_spec(B, S)`` with S =
 max_target_length): slot b owns row b of every leaf, its KDA recurrent + conv state and its MLA
-latent cache region. Three kinds of program run on it, each compiled once, ahead of time, at start:
+latent cache region. These programs run on it, each compiled once, ahead of time, at start:
 
 - ``decode[N]``: one token for each of N slots at its own position (``model.decode_step`` with
   per-row ``pos``), for each N in the decode buckets (``serve_decode_buckets``: by default the
