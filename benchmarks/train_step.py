@@ -154,19 +154,15 @@ def bench_config(name: str, extra: list[str], warmup: int, repeats: int, profile
     tflops = flops_tok * tok_s / 1e12
     with_ns = tflops + ns_flops / sec / 1e12
     t = cfg.train
-    if gpu:
-        kind = jax.devices()[0].device_kind
-        card_peak = bf16_peak_tflops(kind)
-        peak = {"tflops": card_peak, "runs_tflops": None, "spread": None}
+    card_peak = bf16_peak_tflops(jax.devices()[0].device_kind) if gpu else None
     return {"config": name, "remat": t.remat_policy, "device_kind": jax.devices()[0].device_kind,
-            "mfu": (tflops / peak["tflops"]) if gpu and peak["tflops"] else None,
-            "bf16_peak_tflops": peak["tflops"] if gpu else None, "batch": gb, "seq": seq, "params": n_params,
+            "mfu": tflops / card_peak if card_peak else None, "bf16_peak_tflops": card_peak, "batch": gb, "seq": seq, "params": n_params,
             "active_params": counts.param_counts(cfg.model)[1], "train_gflop_per_token": flops_tok / 1e9,
             "compile_and_first_step_s": first_s, "step_s": sec, "step_times_s": times, "tokens_per_s": tok_s,
-            "model_tflops": tflops, "cpu_peak_tflops": peak["tflops"], "cpu_peak_runs_tflops": peak["runs_tflops"],
-            "cpu_peak_spread": peak["spread"], "vs_peak": tflops / peak["tflops"] if peak["tflops"] else None,
-            "top_ops": top,
-            "ns_gflop_per_step": ns_flops / 1e9, "with_ns_tflops": with_ns, "with_ns_vs_peak": with_ns / peak["tflops"] if peak["tflops"] else None,
+            "model_tflops": tflops, "top_ops": top, "ns_gflop_per_step": ns_flops / 1e9, "with_ns_tflops": with_ns,
+            **({} if gpu else {"cpu_peak_tflops": peak["tflops"], "cpu_peak_runs_tflops": peak["runs_tflops"],
+                               "cpu_peak_spread": peak["spread"], "vs_peak": tflops / peak["tflops"],
+                               "with_ns_vs_peak": with_ns / peak["tflops"]}),
             "loss_first": holder["loss"][0], "loss_last": holder["loss"][-1],
             "settings": {"opt_type": t.opt_type, "use_qk_clip": t.use_qk_clip, "dtype": t.dtype,
                          "weight_dtype": t.weight_dtype, "scan_layers": t.scan_layers,

@@ -35,22 +35,23 @@ LOG=$OUT/gpu_check.log
 : > "$LOG"
 STATUS=()
 
-# The one-device numerics tests (tests/conftest.py honours JAX_PLATFORMS and K3JAX_TEST_HOST_DEVICES);
-# megablox is the TPU Pallas kernel, left out.
+# The one-device numerics tests (tests/conftest.py honours JAX_PLATFORMS and K3JAX_TEST_HOST_DEVICES),
+# 50 with megablox (the TPU Pallas kernel) left out, in the order they run: the whole model first, so a
+# part cut by its time still has them.
 TESTS=(
+  tests/test_gpu_check.py::test_bf16_forward_matches_float32
+  tests/test_model.py::test_matches_float64_reference
+  tests/test_model.py::test_prefill_then_decode_equals_full_forward
   tests/test_kda_chunked.py::test_chunked_matches_reference
   tests/test_kda_chunked.py::test_bounded_form_matches_reference
   tests/test_kda_chunked.py::test_bounded_form_choice_and_float64
   tests/test_kda_chunked.py::test_split_calls_carry_the_state
   tests/test_kda_reference.py
   tests/test_kda_decode.py::test_decode_steps_equal_chunked_forward
-  tests/test_moe_kernels.py::test_grouped_matmul_matches_numpy
-  tests/test_moe_kernels.py::test_tokamax_ragged_dot_equals_ragged_dot
   tests/test_moe_kernels.py::test_moe_matches_dense_reference_bf16
   tests/test_moe_kernels.py::test_few_token_dispatch_matches_dropless
-  tests/test_model.py::test_matches_float64_reference
-  tests/test_model.py::test_prefill_then_decode_equals_full_forward
-  tests/test_gpu_check.py::test_bf16_forward_matches_float32
+  tests/test_moe_kernels.py::test_grouped_matmul_matches_numpy
+  tests/test_moe_kernels.py::test_tokamax_ragged_dot_equals_ragged_dot
 )
 TEST_FILTER="not megablox"
 
