@@ -59,25 +59,26 @@ if [ $DRY = 1 ]; then
   PY=${PYTHON:-.venv/bin/python}
   [ -x "$PY" ] || PY=python3
   export JAX_PLATFORMS=cpu
-  DRYFLAG=--dry-run
 else
   PY=${PYTHON:-python3}
-  DRYFLAG=
   export PYTHONUNBUFFERED=1
   t0=$SECONDS
+  irc=0
   # The device README's install line: the carried wheels into /tmp/site, ahead of the image's packages.
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1; then
+  if timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >>"$LOG" 2>&1; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   else
+    irc=1
     echo "error: installing .whl/*.whl failed (see $LOG); carry .whl made by scripts/gpu_wheels.sh" | tee -a "$LOG"
   fi
   # No index there, so no build isolation: the image's setuptools builds the editable install.
-  if ! "$PY" -m pip install -q -e . --no-deps --no-build-isolation >>"$LOG" 2>&1; then
+  if ! timeout 60 "$PY" -m pip install -q -e . --no-deps --no-build-isolation >>"$LOG" 2>&1; then
     echo "note: pip install -e . failed (see $LOG); using src/ and the repo root on PYTHONPATH" | tee -a "$LOG"
     export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
   fi
-  "$PY" - >>"$LOG" 2>&1 <<'EOF'
-import importlib, importlib.metadata as md
+  timeout 60 "$PY" - >>"$LOG" 2>&1 <<'EOF'
+import importlib.metadata as md
 for d in ("jax", "jaxlib", "flax", "optax", "grain", "tokamax", "transformers", "huggingface-hub", "torch", "triton",
           "fla-core"):
     try:
@@ -87,9 +88,9 @@ for d in ("jax", "jaxlib", "flax", "optax", "grain", "tokamax", "transformers", 
 import jax
 print("jax devices:", jax.devices())
 EOF
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
-  STATUS+=("install:0:$((SECONDS - t0))")
-  echo "install: $((SECONDS - t0)) s"
+  timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
+  STATUS+=("install:$irc:$((SECONDS - t0))")
+  echo "install: rc $irc, $((SECONDS - t0)) s"
 fi
 
 write_status() {
@@ -148,7 +149,7 @@ fi
 if [ $DRY = 1 ]; then
   part k3_slice_config 30 "$PY" -m k3jax.config configs/base.yml model_name=k3-slice
   grep -q "parameters: total 4.88B" "$LOG" || { echo "error: k3-slice is not 4.88B parameters"; STATUS+=("k3_slice_params:1:0"); }
-  part train_step 120 "$PY" benchmarks/train_step.py --gpu --dry-run --config tiny --remat full --warmup 1 --repeats 1 \
+  part train_step 120 "$PY" benchmarks/train_step.py --gpu --dry-run --config tiny --remat none --warmup 1 --repeats 1 \
     --set per_device_batch_size=1 max_target_length=32 num_layers=4 "mla_extra_layers=[]" attn_res_block_size=4 \
     --out "$OUT/train_step.json"
 else
