@@ -28,6 +28,9 @@ from pathlib import Path
 
 if os.environ.get("K3JAX_HF_FLA") != "1":
     sys.modules.setdefault("fla", None)   # never bind fla's triton kernels unless asked (CPU box, f32 tokens)
+# transformers imports accelerate when it finds it; this side needs none of it (no device_map), the
+# CI venv has none, and the GPU image's accelerate was never run against the carried huggingface-hub.
+sys.modules.setdefault("accelerate", None)
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402

@@ -6,7 +6,8 @@
 # `scripts/gpu_check.sh --dry-run` in CI, fails naming any import the image and this list do not cover.
 # Versions are the ones CI tests with (the project venv's); gpu_imports.py checks they match. protobuf
 # travels too: xprof's generated code (tokamax imports it) needs a runtime >= 6.31, the image's is unread;
-# flax too: k3jax needs >= 0.12.8 and the device docs do not give the image's version.
+# flax too: k3jax needs >= 0.12.8 and the device docs do not give the image's version; regex too:
+# transformers checks regex >= 2025.10.22 when imported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
@@ -15,7 +16,7 @@ WHEELS=(
   annotated-types==0.8.0 typing-inspection==0.4.5
   xprof==2.24.2 fire==0.7.1 termcolor==3.3.0
   tensorboardX==2.6.5 protobuf==7.36.2 flax==0.12.12
-  transformers==5.25.0 huggingface-hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5
+  transformers==5.25.0 huggingface-hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 regex==2026.12.2
   flash-linear-attention==0.6.0 fla-core==0.6.0
 )
 PY=${PYTHON:-python3}
