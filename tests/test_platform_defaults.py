@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO
 from k3jax import config as C
 from k3jax import runtime
-from k3jax.kernels.attention import (auto_attention, causal_attention, cudnn_attention, get_attention_fn,
+from k3jax.kernels.attention import (QUERY_BLOCK, auto_attention, causal_attention, cudnn_attention, get_attention_fn,
                                      resolve_attention)
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.moe.gmm import resolve_impl
@@ -76,6 +76,10 @@ def test_auto_attention_picks_per_platform_and_shape():
     assert resolve_attention("auto", *_qkv(jnp.bfloat16, dqk=20)[:3], platform="gpu") == "blocked"  # not x8
     assert resolve_attention("auto", *bf[:3], platform="tpu") == "blocked"
     assert resolve_attention("auto", *bf[:3], platform="cpu") == "jnp"
+    long = [jax.ShapeDtypeStruct((1, QUERY_BLOCK + 1, 2, 8), jnp.float32)] * 3      # past one query block
+    assert resolve_attention("auto", *long, platform="cpu") == "blocked"
+    assert resolve_attention("auto", *[jax.ShapeDtypeStruct((1, QUERY_BLOCK, 2, 8), jnp.float32)] * 3,
+                             platform="cpu") == "jnp"
     assert resolve_attention("blocked", *bf[:3], platform="gpu") == "blocked"
     assert get_attention_fn("auto") is auto_attention
     q, k, v, seg = _qkv(jnp.float32)

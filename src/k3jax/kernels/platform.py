@@ -22,7 +22,8 @@ AUTO = {
     # Never tokamax here: its core takes the gate's pre-activation, which the layer decides up front.
     "kda_impl": {"cpu": "chunked", "gpu": "chunked", "tpu": "chunked"},
     # cuDNN flash attention on GPU where its dtypes and head dims allow (else GPU_ATTENTION_FALLBACK);
-    # O(T) memory on TPU (jnp holds 6.4 GB of logits per K3 MLA layer); jnp on CPU.
+    # O(T) memory on TPU (jnp holds 6.4 GB of logits per K3 MLA layer); jnp on CPU up to one query
+    # block of blocked, blocked beyond (attention.resolve_attention).
     "attention_impl": {"cpu": "jnp", "gpu": "cudnn", "tpu": "blocked"},
 }
 # attention_impl=auto on a GPU when cuDNN cannot take the call (float32, head dims over its limit).

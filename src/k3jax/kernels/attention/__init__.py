@@ -10,7 +10,7 @@ common.py     NEG_INF, max_logits: shared by all of the above
 from k3jax.kernels.attention.common import max_logits  # noqa: F401
 from k3jax.kernels.attention.cudnn import cudnn_attention, cudnn_misfit
 from k3jax.kernels.attention.decode import latent_attention, latent_decode_attention  # noqa: F401
-from k3jax.kernels.attention.prefill import blocked_attention, tokamax_attention
+from k3jax.kernels.attention.prefill import QUERY_BLOCK, blocked_attention, tokamax_attention
 from k3jax.kernels.attention.reference import causal_attention
 from k3jax.kernels.platform import GPU_ATTENTION_FALLBACK, resolve
 
@@ -20,10 +20,14 @@ ATTENTION_IMPLS = {"jnp": causal_attention, "blocked": blocked_attention, "tokam
 
 def resolve_attention(name: str, q, k, v, platform: str | None = None) -> str:
     """`name` with ``auto`` resolved for the target platform (kernels.platform.AUTO) and this call:
-    on a GPU, cudnn where ``cudnn_misfit`` finds nothing against it, else GPU_ATTENTION_FALLBACK."""
+    on a GPU, cudnn where ``cudnn_misfit`` finds nothing against it, else GPU_ATTENTION_FALLBACK; on
+    CPU, jnp while the sequence fits one query block of ``blocked`` (the same arithmetic without the
+    recompute), blocked above it (faster there and O(T) memory: docs/kernels.md)."""
     picked = resolve("attention_impl", name, platform)
     if name == "auto" and picked == "cudnn" and cudnn_misfit(q, k, v) is not None:
         return GPU_ATTENTION_FALLBACK
+    if name == "auto" and picked == "jnp" and q.shape[1] > QUERY_BLOCK:
+        return "blocked"
     return picked
 
 

@@ -1,5 +1,5 @@
 """Plain jnp causal attention for MLA prefill/training: the oracle every prefill path is tested
-against, and itself ``attention_impl="jnp"`` (what ``auto`` picks on CPU).
+against, and itself ``attention_impl="jnp"`` (what ``auto`` picks on CPU up to one query block).
 
 It returns what QK-clip needs explicitly: the per-head maximum pre-softmax logit
 ``max_{b,t,s valid} (q_t . k_s) * scale`` (f32, [H]), never fished out by name.
