@@ -2,9 +2,10 @@
 ``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
 
 Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk,
-serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes; each slot holds max_target_length tokens (prompt + completion). The tokenizer is the
-checkpoint's (``tokenizer_path`` or the one recorded with it) and chat prompts use its own chat
-template. SIGTERM (or Ctrl-C) drains: no new connections, running and queued requests finish, exit 0.
+serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes; each slot holds
+max_target_length tokens (prompt + completion). The tokenizer is the checkpoint's (``tokenizer_path``
+or the one recorded with it) and chat prompts use its own chat template. SIGTERM (or Ctrl-C)
+drains: no new connections, running and queued requests finish, exit 0.
 Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
 runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
 
@@ -12,6 +13,7 @@ programs.py  the slot cache and the compiled decode / prefill-chunk / reset / pr
 prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, LRU)
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
 text.py      incremental detokenisation and stop strings
+toolcalls.py the streaming parser of Kimi tool calls and thinking over generated token ids
 protocol.py  OpenAI request / response bodies
 api.py       the FastAPI routes
 metrics.py   Prometheus metrics
