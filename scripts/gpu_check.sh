@@ -10,8 +10,10 @@
 # Parts, in this order, each under `timeout` (seconds: its own budget, cut to what is left of 300;
 # install ~20 s first):
 #   a  tests.json        the one-device numerics tests below on the card, f32 and bf16 (35 s)
+#   e  ragged_dot_lowering.json  benchmarks/ragged_dot_lowering.py --gpu: does XLA's GPU lowering of
+#                        ragged_dot (moe_impl=auto there) run every expert on every row? (20 s)
 #   b  train_step.json   benchmarks/train_step.py --gpu: k3-slice and small, bf16, remat none and full,
-#                        tokens/s and MFU, median of steps 3-10; rewritten after each row (100 s)
+#                        tokens/s and MFU, median of steps 3-10; rewritten after each row (80 s)
 #   c  kda.json          benchmarks/kda.py --gpu: k3jax's chunked KDA, B=1 H=16 K=V=128, T 2048 / 8192,
 #      kda_fla.json      bf16, inputs and outputs saved; then benchmarks/kda_fla.py: fla's chunk_kda
 #                        on the same inputs in a torch process, timed and compared (25 + 45 s)
@@ -145,6 +147,15 @@ if [ $DRY = 0 ]; then
   tests_json "${TESTS[@]}" | tee -a "$LOG"
 fi
 
+# e: the MoE's grouped matmul as the backend lowers it (CPU's known answer in the dry run: every group
+# on every row, which is why moe_impl=auto is blocked there)
+if [ $DRY = 1 ]; then
+  part ragged_dot_lowering 60 "$PY" benchmarks/ragged_dot_lowering.py --gpu --dry-run --rows 256 --dims 64 64 \
+    --groups 16 --repeats 2 --out "$OUT/ragged_dot_lowering.json"
+else
+  part ragged_dot_lowering 20 "$PY" benchmarks/ragged_dot_lowering.py --gpu --out "$OUT/ragged_dot_lowering.json"
+fi
+
 # b: train step
 if [ $DRY = 1 ]; then
   part k3_slice_config 30 "$PY" -m k3jax.config configs/base.yml model_name=k3-slice
@@ -153,7 +164,7 @@ if [ $DRY = 1 ]; then
     --set per_device_batch_size=1 max_target_length=32 num_layers=4 "mla_extra_layers=[]" attn_res_block_size=4 \
     --out "$OUT/train_step.json"
 else
-  part train_step 100 "$PY" benchmarks/train_step.py --gpu --out "$OUT/train_step.json"
+  part train_step 80 "$PY" benchmarks/train_step.py --gpu --out "$OUT/train_step.json"
 fi
 
 # c: KDA, k3jax then fla (separate processes: JAX holds most of the card while it lives)
@@ -178,6 +189,7 @@ fi
 # The wheel list against every import of the GPU path (the benchmark scripts, the test list).
 if [ $DRY = 1 ]; then
   files=(benchmarks/train_step.py benchmarks/kda.py benchmarks/kda_fla.py benchmarks/decode_vs_hf.py
+         benchmarks/ragged_dot_lowering.py
          benchmarks/hf_decode_side.py tests/conftest.py tests/helpers.py)
   for t in "${TESTS[@]}"; do files+=("${t%%::*}"); done
   part imports 60 "$PY" scripts/gpu_imports.py $(printf '%s\n' "${files[@]}" | sort -u)

@@ -60,7 +60,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + log[-4000:]
     status = json.loads((tmp_path / "gpu_check.json").read_text())
     assert status["dry_run"] and status["ok"]
-    assert {p["part"] for p in status["parts"]} >= {"train_step", "kda", "decode", "tests", "imports"}
+    assert {p["part"] for p in status["parts"]} >= {"train_step", "kda", "decode", "tests", "imports",
+                                                    "ragged_dot_lowering"}
+    lowering = json.loads((tmp_path / "ragged_dot_lowering.json").read_text())
+    assert lowering["verdict"] == "every group on every row", lowering   # XLA:CPU's known lowering: the check sees it
     train = json.loads((tmp_path / "train_step.json").read_text())
     assert train["mode"] == "gpu" and train["rows"][0]["settings"]["dtype"] == "bfloat16"
     assert train["rows"][0]["mu_dtype" if "mu_dtype" in train["rows"][0] else "settings"]
