@@ -1,4 +1,5 @@
-"""Generation: ``python -m k3jax.decode configs/base.yml load_parameters_path=... prompt="..."``.
+"""Generation: ``python -m k3jax.decode configs/base.yml load_parameters_path=... prompt="..."``
+(with images: ``model_name=kimi-k3-vl chat=true images=[a.png,gs://b/c.jpg] prompt="..."``).
 
 Prompts are left-padded to a common length with segment id 0 on the padding, so one prefill gives
 every row a correct cache: KDA resets its state at the padding -> prompt boundary and the convolution
@@ -6,12 +7,20 @@ sees zeros there, MLA masks the padded keys. Decoding then runs as one jitted ``
 (no per-token recompilation) over ``model.decode_step`` with the cache (KDA recurrent + conv state,
 constant in context length; the MLA latent cache c|k_r). Finished rows stop emitting; tokens are
 streamed to the host with an ordered debug callback.
+
+Images (``images=``, a model with ``vision_enabled``) go through the processor on the host, their
+prompts (``<|media_begin|>image WxH<|media_content|>`` + pads + ``<|media_end|>``) into the chat
+template, and their packed patches into the prefill program, which runs the tower once and splices
+the features at the pads (``k3jax.multimodal``); the decode loop never sees them. With media the
+padded prompt length rounds up to ``MEDIA_PROMPT_MULTIPLE``, so other image sizes in the same
+patch bucket reuse the compiled programs.
 """
 from __future__ import annotations
 
 import codecs
 import collections
 import functools
+import math
 import time
 import weakref
 
@@ -42,14 +51,18 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0, multiple: int = 1, min_l
     return toks, seg, np.array([p - len(x) for x in prompts], np.int32)
 
 
-def prefill(model, tokens, segment_ids, start, total_len: int):
+MEDIA_PROMPT_MULTIPLE = 64   # with media, the padded prompt length is a multiple of this
+
+
+def prefill(model, tokens, segment_ids, start, total_len: int, media=None):
     """Prompt forward -> (last-position logits [B,V] f32, decode cache with room for total_len).
 
     The prompt's caches cover its P slots; every leaf is zero-padded at the end up to the shape
     ``model.cache_spec(B, total_len)`` gives it, in its dtype (the MLA latent cache grows along
-    ``cache_seq``; the KDA states have no length and keep their shape)."""
+    ``cache_seq``; the KDA states have no length and keep their shape). ``media``:
+    ``MediaInputs.arrays()`` of the prompts' images (the tower runs here, once)."""
     positions = jnp.maximum(jnp.arange(tokens.shape[1])[None, :] - start[:, None], 0)
-    h, _, caches = model.hidden(tokens, segment_ids, positions, return_cache=True)
+    h, _, caches = model.hidden(tokens, segment_ids, positions, return_cache=True, media=media)
     logits = jnp.einsum("bd,dv->bv", h[:, -1], model.head_weight().astype(h.dtype),
                         preferred_element_type=jnp.float32)
     spec = model.cache_spec(tokens.shape[0], total_len)
@@ -66,28 +79,38 @@ PROGRAMS_PER_MODEL = 8
 
 
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), greedy=True,
-             temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0):
+             temperature=1.0, top_k=0, top_p=1.0, seed=0, on_tokens=None, pad_id=0, media=None,
+             media_pad_id=None, processor=None):
     """Returns (new tokens [B, max_new_tokens] with -1 after a row stopped, timing dict). Call it
     under ``jax.set_mesh(mesh)`` for a sharded model.
 
     The timing dict: prefill and decode-loop seconds and tokens/s (compilation excluded), and
     ``compile_s``, the seconds this call spent compiling: 0 when an earlier call on the same model
     object had the same batch, padded prompt length, ``max_new_tokens``, sampling settings, stop ids,
-    ``on_tokens`` and mesh (its programs are kept, the last ``PROGRAMS_PER_MODEL`` per model)."""
+    ``on_tokens`` and mesh (its programs are kept, the last ``PROGRAMS_PER_MODEL`` per model).
+
+    ``media``: the prompts' processed images (``vision_processor.MediaItem``s, in order over the
+    rows), whose ``media_pad_id`` runs the prompts already hold; ``processor`` is the
+    ProcessorConfig that bucketed them. Image sets in the same patch bucket share the programs."""
     # Under a context mesh the prompt and the cache split into equal slices, each holding at least
     # the short conv's halo (kda_conv_size - 1 tokens).
     cp = context_size()
     halo = cp * (model.cfg.kda_conv_size - 1) if cp > 1 else 1
-    toks, seg, start = left_pad(prompts, pad_id, multiple=cp, min_len=halo)
+    multiple = cp if media is None else math.lcm(cp, MEDIA_PROMPT_MULTIPLE)
+    toks, seg, start = left_pad(prompts, pad_id, multiple=multiple, min_len=halo)
     b, p = toks.shape
+    mi = None
+    if media is not None:
+        from k3jax.multimodal import media_inputs
+        mi = media_inputs(model.vision.vision_tower.vcfg, processor, list(media), toks, media_pad_id)
     total = -(-(p + max_new_tokens) // cp) * cp
     gdef, state = nnx.split(model)
     stop = jnp.asarray(list(stop_ids) or [-2], jnp.int32)
     samp = functools.partial(sample, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
 
     @jax.jit
-    def run_prefill(state, toks, seg, start):
-        return prefill(nnx.merge(gdef, state), toks, seg, start, total)
+    def run_prefill(state, toks, seg, start, media):
+        return prefill(nnx.merge(gdef, state), toks, seg, start, total, media)
 
     @jax.jit
     def run_decode(state, logits, cache, start, key):
@@ -110,12 +133,12 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(
                 "out": jnp.full((b, max_new_tokens), -1, jnp.int32)}
         return jax.lax.while_loop(cond, body, init)["out"]
 
-    args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start))
+    args = (state, jnp.asarray(toks), jnp.asarray(seg), jnp.asarray(start), None if mi is None else mi.arrays())
     key = jax.random.key(seed)
     # Everything the two programs depend on besides argument values; the graph definition (not
     # hashable) is compared on a hit, so a model whose structure or config changed recompiles.
     spec = (b, p, total, max_new_tokens, greedy, temperature, top_k, top_p, tuple(stop_ids), on_tokens,
-            jax.sharding.get_abstract_mesh(),
+            jax.sharding.get_abstract_mesh(), None if mi is None else mi.key(),
             tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in jax.tree.leaves(state)))
     try:
         hash(spec)
@@ -163,16 +186,21 @@ def _run(cfg) -> int:
     if not d.prompt.strip():
         raise C.ConfigError("prompt is empty; pass prompt=\"some text\"")
     tok = load_tokenizer(cfg)
+    items, media_kw = _images(cfg, tok)
     if d.chat:
         from k3jax.data.chat_template import chat_ids
+        content = [{"type": "image"}] * len(items) + [{"type": "text", "text": d.prompt}] if items else d.prompt
         try:
-            ids = chat_ids(tok, [{"role": "user", "content": d.prompt}])
+            ids = chat_ids(tok, [{"role": "user", "content": content}],
+                           media=[it.prompt for it in items] if items else None)
         except ValueError as e:   # TokenizerError included: no template and no K2 chat tokens
             raise C.ConfigError(f"chat=true: the tokenizer at {tokenizer_dir(cfg)} cannot render a chat ({e}); "
                                 f"give it the model's chat_template (tokenizer_config.json or chat_template.jinja) "
                                 f"or set chat=false") from None
     else:
         ids = tok.encode(d.prompt, add_bos=True)
+        if items:    # the media prompts right after the BOS token, then the text
+            ids = ids[:1] + tok.encode_with_special_tokens("".join(it.prompt for it in items)) + ids[1:]
     budget = d.max_prefill_length or cfg.train.max_target_length
     if len(ids) > budget:
         raise C.ConfigError(f"prompt is {len(ids)} tokens but max_prefill_length/max_target_length allows "
@@ -196,7 +224,7 @@ def _run(cfg) -> int:
         out, timing = generate(model, [ids], max_new_tokens=d.max_new_tokens,
                                stop_ids=(tok.eos_id, tok.im_end_id), greedy=d.sampling == "greedy",
                                temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.decode_seed,
-                               on_tokens=stream if streaming else None)
+                               on_tokens=stream if streaming else None, **media_kw)
     new = [t for t in out[0].tolist() if t >= 0 and t not in (tok.eos_id, tok.im_end_id)]
     if not streaming:
         print(d.prompt + tok.decode(new))
@@ -205,6 +233,21 @@ def _run(cfg) -> int:
     print(f"prefill {timing['prefill_tokens_per_s']:.1f} tokens/s, decode {timing['decode_tokens_per_s']:.1f} "
           f"tokens/s ({timing['new_tokens']} new tokens)")
     return 0
+
+
+def _images(cfg, tok):
+    """(processed images, generate()'s media keywords) of ``images=``; ([], {}) without. The
+    config checks (vision_enabled, vision_max_images) ran at load; a missing or unreadable file
+    is a one-line VisionInputError."""
+    if not cfg.decode.images:
+        return [], {}
+    from k3jax.data.vision_processor import check_media_limit, from_config, process_image
+    from k3jax.multimodal import media_token_ids, read_image
+    pcfg = from_config(cfg)
+    check_media_limit(len(cfg.decode.images), pcfg, "prompt")
+    pad_id = media_token_ids(tok)[2]
+    items = [process_image(read_image(p), pcfg) for p in cfg.decode.images]
+    return items, {"media": items, "media_pad_id": pad_id, "processor": pcfg}
 
 
 def main(argv: list[str] | None = None) -> int:

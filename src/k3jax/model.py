@@ -132,7 +132,10 @@ class Period(nnx.Module):
 
 class K3Model(nnx.Module):
     def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = False,
-                 dtype=jnp.float32, compute_dtype=jnp.float32):
+                 dtype=jnp.float32, compute_dtype=jnp.float32, vision=None):
+        """``vision``: a VisionConfig with ``vision_enabled`` adds the tower and projector as
+        ``self.vision`` (params["vision"]: the converter's ``CKPT/vision`` tree), built after the
+        text layers; None or disabled leaves the text model and its parameter tree as they are."""
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
         self.segment_scan = segment_scan
         self.layout: Layout = layout(cfg, scan)
@@ -149,6 +152,10 @@ class K3Model(nnx.Module):
             self.output_attn_res_norm = param(rngs, (), (d,), ("norm",), init=ones, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (), (d, v), ("embed", "vocab"), std=std, dtype=dtype, matrix=None)
+        if vision is not None and vision.vision_enabled:
+            from k3jax.vision.tower import VisionEncoder
+            self.vision = VisionEncoder(vision, d, rngs, std=std, dtype=dtype, compute_dtype=compute_dtype,
+                                        interpret=kcfg.pallas_interpret)
 
     # -- helpers ---------------------------------------------------------------------------------
     def layer(self, site: Site) -> DecoderLayer:
@@ -170,6 +177,20 @@ class K3Model(nnx.Module):
     def embed(self, tokens):
         x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute_dtype)
         return constrain(x, ("batch", "seq", "act_embed"))
+
+    def embed_media(self, tokens, media=None, *, remat: bool = False):
+        """Token embeddings with the media features spliced in: the tower and projector run once
+        on the packed media (``k3jax.multimodal.MediaInputs.arrays()``) and row j of their output
+        replaces the embedding at flat position media["slots"][j]. Without media: ``embed``."""
+        x = self.embed(tokens)
+        if media is None:
+            return x
+        from k3jax.multimodal import splice   # (pulls in k3jax.data: only when media are used)
+        if not hasattr(self, "vision"):
+            raise ValueError("media given to a model built without the vision tower (vision_enabled=false)")
+        with jax.named_scope("vision"):
+            feats = self.vision(media["patches"], media, remat=remat)
+        return constrain(splice(x, feats, media["slots"]), ("batch", "seq", "act_embed"))
 
     def head_weight(self):
         return self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
@@ -313,13 +334,13 @@ class K3Model(nnx.Module):
 
     # -- sequence forward ------------------------------------------------------------------------
     def hidden(self, tokens, segment_ids=None, positions=None, *, remat: str = "none",
-               compute_aux: bool = False, return_cache: bool = False):
+               compute_aux: bool = False, return_cache: bool = False, media=None):
         """tokens [B,T] -> (final hidden [B,T,D], aux, caches); aux and caches are layout trees
-        (caches' entries None unless ``return_cache``)."""
+        (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``."""
         b, t = tokens.shape
         segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
-        res = self._initial_residual(self.embed(tokens))
+        res = self._initial_residual(self.embed_media(tokens, media, remat=remat != "none"))
 
         def step(layer, res, flags, _):
             res, aux, cache = layer(res, segment_ids, positions, compute_aux=compute_aux, return_cache=return_cache,
@@ -397,7 +418,7 @@ def _sampler(cfg, seed: int):
 def _construct(cfg, rngs):
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
-                   compute_dtype=jnp.dtype(cfg.train.dtype))
+                   compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None))
 
 
 def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:

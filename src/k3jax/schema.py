@@ -346,6 +346,7 @@ class DecodeConfig:
     decode_seed: int = _f(0, "sampling seed")
     chat: bool = _f(False, "wrap the prompt in the Kimi chat template")
     stream: bool = _f(True, "print tokens as they are produced")
+    images: list = _f([], "decode: image files (local or gs://) shown before the prompt; needs vision_enabled=true")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,8 @@ def make_loss(cfg):
 
 def make_train_step(cfg, gdef, tx):
     """step(state, batch) -> (new state, metrics) for state = {"params", "opt_state", "rest"} and a
-    batch of [B, T] arrays (tokens, targets, segment_ids, positions, loss_mask). Trace it under
+    batch of [B, T] arrays (tokens, targets, segment_ids, positions, loss_mask), plus optionally
+    "media" (``MediaInputs.arrays()``: spliced in, and no loss on targets that are media slots). Trace it under
     ``jax.set_mesh(mesh)``: the model reads the ambient mesh (expert parallelism, constraints)."""
     t = cfg.train
     check_trainable(cfg)
@@ -107,10 +108,15 @@ def make_train_step(cfg, gdef, tx):
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
+        media = batch.get("media")      # k3jax.multimodal.MediaInputs.arrays(), or absent
         h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
-                                 remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0)
+                                 remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0, media=media)
+        mask = batch["loss_mask"]
+        if media is not None:
+            from k3jax.multimodal import slot_loss_mask
+            mask = slot_loss_mask(mask, media["slots"])
         with jax.named_scope("loss"):
-            loss_sum, weight, correct = cross_entropy(h, model.head_weight(), batch["targets"], batch["loss_mask"])
+            loss_sum, weight, correct = cross_entropy(h, model.head_weight(), batch["targets"], mask)
         loss = loss_sum / jnp.maximum(weight, 1.0)
         total = loss + t.moe_aux_loss_coef * mean_aux(model.layout, aux, "aux_loss")
         return total, (loss, weight, correct, aux)
@@ -127,6 +133,9 @@ def make_train_step(cfg, gdef, tx):
     def _step(state, batch):
         params, opt_state, rest = state["params"], state["opt_state"], state["rest"]
         k = t.gradient_accumulation_steps
+        if k > 1 and "media" in batch:
+            raise ConfigError(f"gradient_accumulation_steps={k} with media batches: the packed media are one "
+                              f"array per batch, not per row; use gradient_accumulation_steps=1")
         if k == 1:
             (_, (loss, weight, correct, aux)), grads = grad_fn(params, rest, batch)
         else:  # micro-batches along the batch axis, token-weighted gradients summed in f32

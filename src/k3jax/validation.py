@@ -81,6 +81,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         raise ConfigError(f"serve_port={sv.serve_port}: must be a TCP port (0..65535; 0 = any free port)")
     _validate_serve_cache(sv)
     _validate_decode(cfg.decode)
+    _validate_images(cfg)
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
     _validate_eval_and_sft(cfg)
@@ -210,6 +211,23 @@ def _validate_decode(d) -> None:
         raise ConfigError(f"max_new_tokens={d.max_new_tokens}: must be positive")
     if d.max_prefill_length < 0:
         raise ConfigError(f"max_prefill_length={d.max_prefill_length}: must be >= 0 (0 = max_target_length)")
+
+
+def _validate_images(cfg: Config) -> None:
+    """decode's images=[...]: paths, a model with the tower, at most vision_max_images."""
+    images, v = cfg.decode.images, cfg.vision
+    if not images:
+        return
+    if not all(isinstance(x, str) and x for x in images):
+        raise ConfigError(f"images={images}: must be a list of image paths (local or gs://)")
+    if not v.vision_enabled:
+        raise ConfigError(f"images={images} needs a model with the vision tower, but vision_enabled=false; "
+                          f"use a vision model config (e.g. model_name=kimi-k3-vl) or drop images=")
+    if v.vision_max_images and len(images) > v.vision_max_images:
+        raise ConfigError(f"images= has {len(images)} images, over vision_max_images={v.vision_max_images}; "
+                          f"raise vision_max_images or pass fewer images")
+    for x in images:
+        check_path_scheme(x, "images")
 
 
 def _validate_data(d) -> None:

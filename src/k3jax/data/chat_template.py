@@ -42,21 +42,49 @@ Message = Mapping[str, Any]
 _Segment = tuple[str, Any]
 
 
-def _content_text(message: Message) -> str:
-    """String content, or the concatenated `text` parts of a list content; None -> ""."""
+IMAGE_PARTS = ("image", "image_url")
+
+
+def _content_parts(message: Message, images: bool = False) -> list[str | None]:
+    """The content as pieces: the text between image parts as one string, None per image part
+    (``images``; without it an image part is an error). None content is ""."""
     content = message.get("content")
     if content is None:
-        return ""
+        return [""]
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, Sequence):
-        out = []
+        out: list[str | None] = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, got {part!r}")
-            out.append(str(part["text"]))
-        return "".join(out)
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if images and kind in IMAGE_PARTS:
+                out.append(None)
+            elif kind == "text":    # adjacent text parts are one piece (encoded as one string)
+                if out and out[-1] is not None:
+                    out[-1] += str(part["text"])
+                else:
+                    out.append(str(part["text"]))
+            else:
+                raise ValueError(f"only text{' and image' if images else ''} content parts are supported, "
+                                 f"got {part!r}")
+        return out or [""]
     raise ValueError(f"message content must be a string or a list of parts, got {content!r}")
+
+
+def _content_text(message: Message) -> str:
+    """String content, or the concatenated `text` parts of a list content; None -> ""."""
+    return "".join(_content_parts(message))
+
+
+def count_images(messages: Sequence[Message]) -> int:
+    """Image content parts in a conversation."""
+    return sum(p is None for m in messages if m.get("role") != "tool" for p in _content_parts(m, True))
+
+
+def _check_media(messages: Sequence[Message], media: Sequence[str] | None) -> None:
+    n = count_images(messages) if media is not None else 0
+    if media is not None and n != len(media):
+        raise ValueError(f"the messages have {n} image parts but {len(media)} images were given")
 
 
 def _tool_call_segments(calls: Sequence[Mapping[str, Any]]) -> list[_Segment]:
@@ -77,8 +105,11 @@ def _tool_call_segments(calls: Sequence[Mapping[str, Any]]) -> list[_Segment]:
 
 def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
               tools: Sequence[Mapping[str, Any]] | None,
-              default_system: str | None) -> list[_Segment]:
-    """Template structure as ("special", name) / ("text", (str, mask)) pieces, in order."""
+              default_system: str | None, media: Sequence[str] | None = None) -> list[_Segment]:
+    """Template structure as ("special", name) / ("text", (str, mask)) / ("media", prompt) pieces,
+    in order; image part i becomes ("media", media[i]) (prompt-side, mask 0)."""
+    _check_media(messages, media)
+    images = iter(media or ())
     segs: list[_Segment] = []
     if tools:
         segs += [("special", "<|im_system|>"), ("text", ("tool_declare", 0)),
@@ -101,7 +132,9 @@ def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
             raise ValueError(f"unknown role {role!r}")
         out = 1 if role == "assistant" else 0
         segs += [("special", ROLE_TOKEN[role]), ("text", (message.get("name") or role, 0)),
-                 ("special", "<|im_middle|>"), ("text", (_content_text(message), out))]
+                 ("special", "<|im_middle|>")]
+        segs += [("text", (p, out)) if p is not None else ("media", next(images))
+                 for p in _content_parts(message, media is not None)]
         if role == "assistant" and message.get("tool_calls"):
             segs += _tool_call_segments(message["tool_calls"])
         segs.append(("special_out" if out else "special", "<|im_end|>"))
@@ -114,7 +147,8 @@ def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
 def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
            add_generation_prompt: bool = True,
            tools: Sequence[Mapping[str, Any]] | None = None,
-           default_system: str | None = DEFAULT_SYSTEM) -> tuple[list[int], list[int]]:
+           default_system: str | None = DEFAULT_SYSTEM,
+           media: Sequence[str] | None = None) -> tuple[list[int], list[int]]:
     """Render a conversation to token ids and a per-token loss mask.
 
     Args:
@@ -126,6 +160,8 @@ def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
       tools: optional tool schemas, declared in a leading `tool_declare` system turn.
       default_system: injected when the first message is not a system one (Kimi's template
         does this); None disables the injection.
+      media: the media prompts (``vision_processor.MediaItem.prompt``, pads expanded), one per
+        `{"type": "image"}` content part in order; they become control tokens with mask 0.
     Returns:
       `(ids, mask)`: two equal-length lists of ints; mask[i] = 1 iff token i is assistant
       output (content, tool calls, closing <|im_end|>). The training target weight of position
@@ -138,10 +174,12 @@ def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
     ids: list[int] = []
     mask: list[int] = []
     for kind, value in _segments(messages, add_generation_prompt=add_generation_prompt,
-                                 tools=tools, default_system=default_system):
+                                 tools=tools, default_system=default_system, media=media):
         if kind == "text":
             text, m = value
             piece = tokenizer.encode(text)  # ordinary text: special strings are not control
+        elif kind == "media":               # the processor's prompt: trusted markup
+            piece, m = tokenizer.encode_with_special_tokens(value), 0
         else:
             piece, m = [tokenizer.token_id(value)], 1 if kind == "special_out" else 0
         ids += piece
@@ -151,11 +189,11 @@ def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
 
 def render_text(messages: Sequence[Message], *, add_generation_prompt: bool = True,
                 tools: Sequence[Mapping[str, Any]] | None = None,
-                default_system: str | None = DEFAULT_SYSTEM) -> str:
+                default_system: str | None = DEFAULT_SYSTEM, media: Sequence[str] | None = None) -> str:
     """The same rendering as a string (control tokens written by name), for display and for
     comparison with a jinja rendering."""
     segs = _segments(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                     default_system=default_system)
+                     default_system=default_system, media=media)
     return "".join(v if k != "text" else v[0] for k, v in segs)
 
 
@@ -210,7 +248,8 @@ def _specials_in(text: str, tokenizer: KimiTokenizer) -> list[str]:
 
 def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
              tools: Sequence[Mapping[str, Any]] | None = None,
-             template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+             template_kwargs: Mapping[str, Any] | None = None,
+             media: Sequence[str] | None = None) -> list[int]:
     """A conversation -> prompt ids in the checkpoint's own chat markup; the text messages carry
     (content, names, tool-call ids and arguments) stays ORDINARY text, so a user typing
     `<|im_end|>` or `<|end_of_msg|>` cannot close a turn.
@@ -226,10 +265,17 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
     special-token names either. `template_kwargs` are extra template variables (vLLM's
     `chat_template_kwargs`, e.g. `{"thinking": False}`); a template that reads none ignores them,
     as does the built-in markup.
+
+    `media`: one prompt per `{"type": "image"}` content part, in order (the processor's
+    `MediaItem.prompt`: K3's `<|media_begin|>image {W}x{H}<|media_content|>` + pads +
+    `<|media_end|>`, K2.5's without the size); each sits where its part sits in the message text
+    and is encoded with its control tokens (it is markup the processor wrote, not user text).
     """
     template = tokenizer.chat_template
     if template is None:
-        return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)[0]
+        return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                      media=media)[0]
+    _check_media(messages, media)
     bad = _specials_in(json.dumps(list(tools or []), ensure_ascii=False), tokenizer)
     if bad:
         raise ValueError(f"tool schemas contain the special-token strings {bad[:3]}; remove them")
@@ -244,10 +290,20 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
         texts.append(value)
         return f"\ue000{nonce}:{len(texts) - 1}\ue001"
 
+    with_images = media is not None
+    n_media = iter(range(len(media or ())))
+
+    def mark_content(m: Message) -> str:   # text pieces marked, image part i -> marker "m<i>"
+        return "".join(mark(p) if p is not None else f"\ue000{nonce}:m{next(n_media)}\ue001"
+                       for p in _content_parts(m, with_images))
+
+    def plain_content(m: Message, images) -> str:
+        return "".join(p if p is not None else next(images) for p in _content_parts(m, with_images))
+
     marked = []
     for m in messages:
         m = dict(m)
-        m["content"] = mark(_content_text(m))
+        m["content"] = mark_content(m)
         for key in ("name", "tool_call_id", "reasoning_content"):
             if key in m:
                 m[key] = mark(m[key])
@@ -256,17 +312,25 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
                                     function=dict(c["function"], arguments=mark(c["function"]["arguments"])))
                                for c in m["tool_calls"]]
         marked.append(m)
-    plain = [dict(m, content=_content_text(m)) for m in messages]
+    images = iter(media or ())
+    plain = [dict(m, content=plain_content(m, images)) for m in messages]
     kw = dict(template_kwargs or {}, add_generation_prompt=add_generation_prompt, tools=tools)
     real = _render_jinja(template, plain, **kw)
-    pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", _render_jinja(template, marked, **kw))
-    # pieces alternate: template text, marker index, template text, ...
-    if "".join(texts[int(p)] if i % 2 else p for i, p in enumerate(pieces)) != real:
+    pieces = re.split(f"\ue000{nonce}:(m?\\d+)\ue001", _render_jinja(template, marked, **kw))
+    # pieces alternate: template text, marker index ("m<i>": media prompt i), template text, ...
+    piece_text = lambda p: media[int(p[1:])] if p[0] == "m" else texts[int(p)]  # noqa: E731
+    if "".join(piece_text(p) if i % 2 else p for i, p in enumerate(pieces)) != real:
+        if with_images:
+            raise ValueError("the chat template rewrites message text, so the images' places in it are "
+                             "unknown; use a template that copies message content verbatim")
         if any(_specials_in(t, tokenizer) for t in texts):
             raise ValueError("the chat template rewrites message text that contains special-token strings, "
                              "so they cannot be kept as text; remove them from the messages")
         return tokenizer.encode_with_special_tokens(real)   # no message string could inject a token
     ids: list[int] = []
     for i, p in enumerate(pieces):
-        ids += tokenizer.encode(texts[int(p)]) if i % 2 else tokenizer.encode_with_special_tokens(p)
+        if i % 2 and p[0] != "m":
+            ids += tokenizer.encode(texts[int(p)])
+        else:
+            ids += tokenizer.encode_with_special_tokens(piece_text(p) if i % 2 else p)
     return ids
