@@ -447,7 +447,7 @@ def convert(hf_dir, out, model_name=None, dtype=None, experts_format="dense", pr
     full = json.loads((Path(hf_dir) / "config.json").read_text())
     cfg = resolve_config(hf, out, model_name, dtype, layout, full, text_only)
     mcfg = cfg.model
-    model = nnx.eval_shape(lambda: M.build(cfg, 0))
+    model = nnx.eval_shape(lambda: M.build(M.text_only(cfg), 0))   # the tower is the 'vision' item
     _, params, extra = nnx.split(model, nnx.Param, RouterBias)
     steps = list(conversion_steps(model, mcfg, layout))
     vlayout = _vision_steps(cfg, reader, full, hf_dir, steps) if cfg.vision.vision_enabled else None

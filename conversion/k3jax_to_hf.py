@@ -187,17 +187,18 @@ def _plan(model, m, layout):
     return order
 
 
-def _vision_plan(cfg, params_dir: Path, leaves: dict) -> list:
+def _vision_plan(cfg, params_dir: Path, leaves: dict, inner: dict) -> list:
     """Plan entries of the tower and projector in the released names; their leaves (the orbax item
-    ``vision`` beside ``params``) are added to ``leaves`` after a shape check."""
+    ``vision`` beside ``params`` of a conversion, or ``inner``: params['vision'] of a training
+    checkpoint) are added to ``leaves`` after a shape check."""
     from flax import nnx
 
     from k3jax.vision import build_vision
-    vdir = params_dir.parent / "vision"
-    if not (vdir / "_METADATA").is_file():
+    vdir = params_dir if inner else params_dir.parent / "vision"
+    if not inner and not (vdir / "_METADATA").is_file():
         raise ConversionError(f"{params_dir.parent}: the config has vision_enabled=true but there is no vision "
                               "item (vision/) beside params; pass a text-only --model_name to export the text model")
-    got = open_item(vdir)
+    got = inner or open_item(vdir)
     enc = nnx.eval_shape(lambda: build_vision(cfg, 0))
     want = {tuple(p): tuple(x.shape) for p, x in nnx.to_flat_state(nnx.state(enc, nnx.Param))}
     bad = sorted(".".join(map(str, p)) for p in want.keys() ^ got.keys())
@@ -258,9 +259,10 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
         layout = "native" if is_kimi_linear_shaped(m) and not vis else "remote_prefixed"
     params_dir = resolve_params_dir(ckpt)
     leaves = open_item(params_dir)
+    inner = {p[1:]: leaves.pop(p) for p in [p for p in leaves if p[0] == "vision"]}   # a training checkpoint's tower
     if (params_dir.parent / "extra").is_dir():
         leaves.update(open_item(params_dir.parent / "extra"))
-    model = nnx.eval_shape(lambda: M.build(cfg, 0))
+    model = nnx.eval_shape(lambda: M.build(M.text_only(cfg), 0))
     want = {tuple(p): tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(model))}
     missing = sorted(".".join(map(str, p)) for p in want if p not in leaves)
     extra = sorted(".".join(map(str, p)) for p in leaves if p not in want)
@@ -277,7 +279,7 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
     out = Path(out)
     plan = _plan(model, m, layout)
     if vis:
-        plan += _vision_plan(cfg, params_dir, leaves)
+        plan += _vision_plan(cfg, params_dir, leaves, inner)
     n_bytes = 0
     with ShardedWriter(str(out), max_shard_bytes) as w:
         for i, (name, sources) in enumerate(plan):

@@ -100,7 +100,7 @@ def models():
     out = {}
     for i, name in enumerate(CONFIGS):
         cfg = _cfg(name)
-        model = nnx.eval_shape(lambda: M.build(cfg, 0))
+        model = nnx.eval_shape(lambda: M.build(M.text_only(cfg), 0))
         enc = nnx.eval_shape(lambda: build_vision(cfg, 0))
         out[name] = (cfg, model, _random(_shapes(model), 10 + i), _random(_shapes(enc, nnx.Param), 20 + i))
     return out

@@ -27,8 +27,8 @@ from k3jax.step import make_train_step
 REPO = C.REPO_CONFIGS.parent
 TOK = REPO / "data" / "demo" / "tokenizer"
 # two layers (KDA, MLA), dense FFNs: the splice does not depend on the layer kinds, the compile time does
-TEXT = ["model_name=tiny", "vocab_size=1024", f"tokenizer_path={TOK}", "num_layers=2", "mla_extra_layers=[1]",
-        "first_k_dense=2", "attn_res=false", "max_target_length=128"]
+TEXT = ["model_name=tiny", "vocab_size=1024", f"tokenizer_path={TOK}", "num_layers=1", "mla_extra_layers=[0]",
+        "first_k_dense=1", "attn_res=false", "max_target_length=128"]
 # one 16-patch bucket: a 28x28 image (4 patches) and a 28x56 one (8) run the same programs
 VISION = TEXT + ["vision_enabled=true", "vision_patch_buckets=[16]", "vision_attention_block=16"]
 # one optimizer step whose update is nonzero exactly where the gradient is (no decay, no warm-up)
@@ -212,3 +212,28 @@ def test_media_count_mismatch_is_one_line(mm):
     toks = np.array([mm.tok.encode("no pads here", add_bos=True)], np.int32)
     with pytest.raises(VisionInputError, match="holds 0 <\\|media_pad\\|> tokens but its 1 images make 1"):
         media_inputs(mm.model.vision.vision_tower.vcfg, mm.pcfg, items, toks, mm.ids[2])
+
+
+def test_converter_layout_loads_with_the_tower(mm, tmp_path):
+    """A converter output (docs/conversion.md: the text in CKPT/params, the tower and projector in
+    CKPT/vision) restores into the vision model's one parameter tree, params["vision"] from the
+    vision item; without that item the vision model's restore names what is missing."""
+    import orbax.checkpoint as ocp
+    from k3jax.checkpoint import CheckpointError
+    from k3jax.sharding import make_mesh
+    from k3jax.state import restore_state
+    params = nnx.state(mm.model, nnx.Param)
+    text = nnx.State({k: v for k, v in params.items() if k != "vision"})
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt" / "params", text)
+    ckptr.save(tmp_path / "ckpt" / "vision", params["vision"])
+    ckptr.wait_until_finished()
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", VISION + [f"load_parameters_path={tmp_path / 'ckpt'}"])
+    _, state, _ = restore_state(cfg, make_mesh(cfg))
+    want = jax.tree.leaves(nnx.to_pure_dict(params))
+    got = jax.tree.leaves(nnx.to_pure_dict(state["params"]))
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    import shutil
+    shutil.rmtree(tmp_path / "ckpt" / "vision")
+    with pytest.raises(CheckpointError, match="vision_enabled=true\) and the checkpoint none"):
+        restore_state(cfg, make_mesh(cfg))

@@ -227,6 +227,28 @@ def load_params(path: str | Path, abstract_params):
     return ckptr.restore(d, abstract_params)
 
 
+def vision_item_dir(path: str | Path) -> Path | None:
+    """The converter's ``vision`` item beside ``params`` (tower + projector), if any."""
+    d = resolve_params_dir(path).parent / "vision"
+    return d if d.is_dir() else None
+
+
+def load_vision_params(path: str | Path, abstract_vision):
+    """The tower and projector from the converter's ``vision`` item (docs/conversion.md) onto
+    ``abstract_vision`` (the model's params["vision"]), checked and cast like ``load_params``."""
+    d = vision_item_dir(path)
+    if d is None:
+        raise CheckpointError(f"load_parameters_path={path}: vision_enabled=true but there is no 'vision' item beside "
+                              f"'params' (a text-only conversion); convert with the vision tower, or set "
+                              f"vision_enabled=false")
+    ckptr = ocp.StandardCheckpointer()
+    meta = _item_metadata(ckptr, d)
+    meta = getattr(meta, "item_metadata", meta)
+    _check_compatible(meta, abstract_vision, d)
+    _note_cast(meta, abstract_vision, d)
+    return ckptr.restore(d, abstract_vision)
+
+
 def _item_metadata(ckptr, d):
     """The orbax metadata of the item directory ``d``, or CheckpointError when it is unreadable."""
     try:
@@ -334,6 +356,13 @@ def _layout_hint(want, have) -> str:
                 f"scan_layers={str(scanned[1]).lower()} (as it was saved), or check model_name")
     if None not in (n_want, n_have) and n_want != n_have:
         return f"the checkpoint has {n_have} decoder layers and this model {n_want}: check model_name / num_layers"
+    tower = [any(k.startswith("vision/") for k in keys) for keys in (want, have)]
+    if tower[0] != tower[1] and {k for k in want if not k.startswith("vision/")} == \
+            {k for k in have if not k.startswith("vision/")}:
+        return ("this model has the vision tower (vision_enabled=true) and the checkpoint none (a text-only "
+                "conversion keeps it out): set vision_enabled=false, or convert with the tower" if tower[0] else
+                "the checkpoint holds a vision tower (params['vision']) and this model none: set vision_enabled=true "
+                "with the tower's vision_* keys (its model config)")
     return "check model_name"
 
 

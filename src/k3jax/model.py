@@ -11,6 +11,7 @@ expert loads [E], dropped fraction and aux loss. Both mixers return ``(out, aux,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -419,6 +420,14 @@ def _construct(cfg, rngs):
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
                    compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None))
+
+
+def text_only(cfg):
+    """``cfg`` with the vision tower off: the text model's parameter tree (the converter's
+    ``params`` item; the tower is its ``vision`` item)."""
+    if not cfg.vision.vision_enabled:
+        return cfg
+    return dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, vision_enabled=False))
 
 
 def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from k3jax import model as M
-from k3jax.checkpoint import CheckpointError, load_extra, load_packed_experts, load_params, packed_experts_dir
+from k3jax.checkpoint import (CheckpointError, load_extra, load_packed_experts, load_params, load_vision_params,
+                              packed_experts_dir, vision_item_dir)
 from k3jax.config import ConfigError
 from k3jax.layers.common import REST, Packed, RouterBias
 from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
@@ -125,7 +126,7 @@ def restore_state(cfg, mesh, *, optimizer: bool = False):
     packed = nnx.filter_state(abstract["rest"], Packed)
     converted = packed_experts_dir(path) is not None
     try:
-        params = load_params(path, abstract["params"])
+        params = _load_params(cfg, path, abstract["params"])
     except CheckpointError as e:
         if jax.tree.leaves(packed) and not converted:
             raise CheckpointError(f"load_parameters_path={path}: experts_format=mxfp4 needs a conversion made with "
@@ -139,6 +140,18 @@ def restore_state(cfg, mesh, *, optimizer: bool = False):
         if jax.tree.leaves(packed):
             rest = nnx.merge_state(rest, load_packed_experts(path, packed))
     return gdef, *_add_optimizer(cfg, mesh, {"params": params, "rest": rest}, optimizer)
+
+
+def _load_params(cfg, path, abstract_params):
+    """The parameters; with the vision tower and a converter output (its ``vision`` item beside
+    ``params``), the text part from ``params`` and params["vision"] from ``vision``. A training
+    checkpoint holds the tower inside ``params`` and loads whole."""
+    if "vision" not in abstract_params or vision_item_dir(path) is None:
+        return load_params(path, abstract_params)
+    text = nnx.State({k: v for k, v in abstract_params.items() if k != "vision"})
+    params = load_params(path, text)
+    params["vision"] = load_vision_params(path, abstract_params["vision"])
+    return params
 
 
 def _load_biases(cfg, path, abstract_biases):
