@@ -179,8 +179,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         c.completions.create(model=name, prompt="hi", max_tokens=CONTEXT)     # prompt + completion > context
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=name, prompt="hi", n=2)
-    assert e.value.body["param"] == "n"
+        c.completions.create(model=name, prompt="hi", n=SLOTS + 1)
+    assert e.value.body["param"] == "n" and str(SLOTS) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="hi", echo=True, stream=True)
+    assert e.value.body["param"] == "echo"
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="gpt-4o", prompt="hi")
     status, _, body = post(url, "/v1/chat/completions", {"model": name, "messages": "nope"})
@@ -356,7 +359,8 @@ def test_wire_round_trip():
     pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
     cache_steps = [Step.ints("save_block", 1, 48, 7), Step.ints("save_state", 2, 2**31 - 1), Step.ints("drop", 5),
                    Step.ints("load_block", 3, 0, 9), Step.ints("load_state", 0, 8)]
-    for step in (dec, pre, Step.reset(2), Step("noop"), Step("stop"), *cache_steps):
+    lp = Step.prefill_lp(1, rng.integers(0, 500, 16), 16, 0.0, 0, 1.0, 3, 0, rng.integers(0, 500, 15))
+    for step in (dec, pre, lp, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
         back = w.unpack(w.pack(step))
         assert back.kind == step.kind and len(back.args) == len(step.args)
         for a, b in zip(back.args, step.args):
@@ -468,3 +472,82 @@ def test_prefix_cache_index():
 def test_serve_cache_config_errors(overrides, message):
     with pytest.raises(C.ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
         C.load(C.REPO_CONFIGS / "base.yml", ["serve_max_batch=8", *overrides])
+
+
+def choice_ids(resp):
+    """Each choice's token ids (return_tokens_as_token_ids), by index."""
+    return [[int(t.split(":")[1]) for t in c.logprobs.tokens] for c in sorted(resp.choices, key=lambda c: c.index)]
+
+
+def test_n_choices(served):
+    """n=3: the copies share the prompt's prefill (a slot copy), then sample with their own seeds."""
+    c, rng = served.client, np.random.default_rng(21)
+    ids = [int(x) for x in rng.integers(0, served.tok.n_base, 2 * CHUNK + 3)]
+    kw = dict(model=served.name, prompt=ids, max_tokens=6, n=3, seed=7, temperature=1.0, logprobs=1,
+              extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert [x.index for x in a.choices] == [0, 1, 2] and choice_ids(a) == choice_ids(b)
+    assert len({tuple(t) for t in choice_ids(a)}) == 3                  # sampled: different choices
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (len(ids), 18)
+    streamed = {i: [] for i in range(3)}
+    for chunk in c.completions.create(stream=True, **kw):
+        for x in chunk.choices:
+            streamed[x.index] += [int(t.split(":")[1]) for t in x.logprobs.tokens] if x.logprobs else []
+    assert [streamed[i] for i in range(3)] == choice_ids(a)
+    g = c.completions.create(**{**kw, "temperature": 0})
+    assert choice_ids(g)[0] == choice_ids(g)[1] == choice_ids(g)[2]    # greedy copies are identical
+    one = greedy_run(served, ids, 6)
+    np.testing.assert_allclose([x.logprobs.token_logprobs for x in g.choices], [one[1]] * 3, rtol=1e-5, atol=1e-6)
+    # chat: each choice parsed on its own; streaming equals the JSON body
+    msgs = [{"role": "user", "content": "count to three"}]
+    ck = dict(model=served.name, messages=msgs, max_tokens=5, n=2, seed=3, extra_body={"ignore_eos": True})
+    full = c.chat.completions.create(**ck)
+    parts = {0: "", 1: ""}
+    for chunk in c.chat.completions.create(stream=True, **ck):
+        for x in chunk.choices:
+            parts[x.index] += x.delta.content or ""
+    assert [parts[0], parts[1]] == [x.message.content for x in full.choices]
+    assert full.usage.completion_tokens == 10 and served.engine.error is None
+
+
+def test_echo_prompt_logprobs_equal_the_forward(served):
+    """echo + logprobs (lm-eval's log-likelihood request): every prompt token's log-probability and
+    top alternatives, equal to a forward over the same ids; max_tokens=0 returns only the prompt's."""
+    ids = [int(x) for x in np.random.default_rng(8).integers(0, served.tok.n_base, 2 * CHUNK + 7)]
+    status, _, body = post(served.url, "/v1/completions", {"model": served.name, "prompt": [ids], "echo": True,
+                                                           "logprobs": 3, "max_tokens": 0, "temperature": 0,
+                                                           "return_tokens_as_token_ids": True})
+    assert status == 200, body
+    ch = body["choices"][0]
+    lp = ch["logprobs"]
+    assert [int(t.split(":")[1]) for t in lp["tokens"]] == ids and ch["text"] == served.tok.decode(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert body["usage"]["completion_tokens"] == 0 and ch["finish_reason"] == "length"
+    ref = np.asarray(nnx.jit(lambda m, t: jax.nn.log_softmax(m(t)[0][0]))(served.model, jax.numpy.asarray([ids])))
+    np.testing.assert_allclose(lp["token_logprobs"][1:], ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    tops = np.asarray([sorted(t.values(), reverse=True) for t in lp["top_logprobs"][1:]])
+    np.testing.assert_allclose(tops, -np.sort(-ref[:-1], axis=-1)[:, :3], atol=1e-4)
+    # a text prompt with a completion: the prompt's entries, then the completion's; text = prompt + completion
+    text = "The quick brown fox jumps over the lazy dog"
+    r = served.client.completions.create(model=served.name, prompt=text, echo=True, logprobs=2, max_tokens=3,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    n = len(served.tok.encode(text))
+    assert r.choices[0].text.startswith(text) and len(r.choices[0].logprobs.tokens) == n + 3
+    assert r.choices[0].logprobs.text_offset[n] == len(text) and r.usage.completion_tokens == 3
+
+
+def test_tokenizer_routes_round_trip(served):
+    url, tok = served.url, served.tok
+    text = "Hello, world: tokens and back."
+    status, _, body = post(url, "/tokenize", {"prompt": text})
+    assert status == 200 and body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT
+    assert post(url, "/detokenize", {"tokens": body["tokens"]})[2] == {"prompt": text}
+    msgs = [{"role": "user", "content": "hi"}]
+    status, _, body = post(url, "/tokenize", {"messages": msgs, "add_generation_prompt": True})
+    assert status == 200 and body["tokens"] == chat_ids(tok, msgs)
+    info = json.loads(urlget(url, "/tokenizer_info"))
+    assert info["vocab_size"] == tok.vocab_size and info["eos_token_id"] == tok.eos_id
+    assert post(url, "/tokenize", {"prompt": info["eos_token"]})[2]["tokens"] == [tok.eos_id]   # lm-eval's EOS lookup
+    assert post(url, "/detokenize", {"tokens": [tok.vocab_size]})[0] == 400
+    assert post(url, "/tokenize", {})[0] == 400

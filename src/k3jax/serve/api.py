@@ -2,8 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events with
 ``stream=true``, ``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text). With ``serve_api_key`` set, every /v1 route wants
-``Authorization: Bearer <key>`` (401 otherwise); /health and /metrics stay open for probes.
+``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``. ``n`` choices share one prefill (the engine copies the slot); completions
+``echo`` returns the prompt (and, with ``logprobs``, its tokens' log-probabilities) first. With
+``serve_api_key`` set, every route but /health and /metrics wants ``Authorization: Bearer <key>``
+(401 otherwise).
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 parameters, malformed JSON and a prompt that does not fit the context (``context_length_exceeded``),
@@ -41,6 +44,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
     """The ASGI app. ``context`` = cache positions per slot (prompt + completion must fit)."""
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, openapi_url=None)
     grammar = toolcalls.Grammar.of(tokenizer)
+    max_n = engine.stats()["slots"]       # n may ask for up to every slot (serve_max_batch)
     stop_ids = frozenset(getattr(engine, "stop_ids", ()))
 
     @app.exception_handler(proto.ApiError)
@@ -99,9 +103,16 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         k = body.logprobs
         if k is not None and not 0 <= k <= proto.MAX_LOGPROBS:
             raise proto.ApiError(400, f"logprobs={k}: must be between 0 and {proto.MAX_LOGPROBS}", param="logprobs")
-        n = proto.max_tokens(body.max_tokens, len(ids), context, default=16, param="max_tokens")
+        echo = None
+        if body.echo:
+            if body.stream:
+                raise proto.ApiError(400, "echo: not supported with stream=true; send the request without stream",
+                                     param="echo")
+            echo = (_prompt_text(body.prompt, tokenizer, ids), k)
+        n = proto.max_tokens(body.max_tokens, len(ids), context, default=16, param="max_tokens",
+                             allow_zero=bool(body.echo))
         out = proto.Body("completion", model_name, k, bool(body.return_tokens_as_token_ids))
-        return await _serve(request, body, ids, n, out)
+        return await _serve(request, body, ids, n, out, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatRequest, request: HttpRequest):
@@ -114,11 +125,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         if choice in ("required", "named") and grammar is None:
             raise proto.ApiError(400, f"tool_choice={body.tool_choice!r}: this model's tokenizer has no tool-call "
                                  "markup", param="tool_choice")
-        try:
-            ids = chat_ids(tokenizer, body.messages, tools=body.tools if choice != "none" else None,
-                           template_kwargs=proto.template_kwargs(body))
-        except (ValueError, KeyError, TypeError) as e:
-            raise proto.ApiError(400, f"messages: {e}", param="messages") from None
+        ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body))
         forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
             grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
                                                   if isinstance(m, dict) and m.get("role") == "assistant"))
@@ -137,15 +144,63 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
         return await _serve(request, body, ids, n, out, parse)
 
-    async def _serve(http: HttpRequest, body, ids: list[int], n: int, out: proto.Body, parse: dict | None = None):
-        s = proto.sampling(body)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        req = Request(prompt=ids, max_tokens=n, sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=s["seed"],
-                      stop=s["stop"], logprobs=out.logprobs, id=out.id, ignore_eos=s["ignore_eos"])
+    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True) -> list[int]:
         try:
-            engine.submit(req)
+            return chat_ids(tokenizer, messages, tools=tools, template_kwargs=kwargs,
+                            add_generation_prompt=add_generation_prompt)
+        except (ValueError, KeyError, TypeError) as e:
+            raise proto.ApiError(400, f"messages: {e}", param="messages") from None
+
+    # -- vLLM's tokenizer routes (lm-eval's tokenizer_backend=remote) ----------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: proto.TokenizeRequest, request: HttpRequest):
+        check_key(request)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise proto.ApiError(400, "tokenize: send either prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = _chat_prompt(body.messages, body.tools, proto.template_kwargs(body), body.add_generation_prompt)
+        else:   # special-token strings are the special tokens here, as with Hugging Face tokenizers
+            ids = tokenizer.encode_with_special_tokens(body.prompt)
+        strs = [tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in ids] \
+            if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: proto.DetokenizeRequest, request: HttpRequest):
+        check_key(request)
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise proto.ApiError(400, f"tokens: ids {bad[:5]} are outside the vocabulary", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HttpRequest):
+        check_key(request)
+        name = {i: s for s, i in tokenizer.special_ids.items()}
+        return {"tokenizer_class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+                "model_max_length": context, "bos_token": name.get(tokenizer.bos_id),
+                "eos_token": name.get(tokenizer.eos_id), "pad_token": name.get(tokenizer.pad_id),
+                "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
+                "special_tokens": tokenizer.special_ids, "chat_template": getattr(tokenizer, "chat_template", None)}
+
+    async def _serve(http: HttpRequest, body, ids: list[int], n: int, out: proto.Body, parse: dict | None = None,
+                     echo: tuple[str, int | None] | None = None):
+        """Submit the request (its n choices: the first with the others as its copies) and answer.
+        ``echo``: (the prompt's text, the logprobs to score its tokens with, or None)."""
+        s = proto.sampling(body, max_n)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()     # (choice index, Event)
+        reqs = [Request(prompt=ids, max_tokens=n, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                        seed=proto.copy_seed(s["seed"], i), stop=s["stop"], logprobs=out.logprobs,
+                        id=out.id if s["n"] == 1 else f"{out.id}-{i}", ignore_eos=s["ignore_eos"],
+                        prompt_logprobs=echo[1] if echo is not None else None,
+                        sink=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)))
+                for i in range(s["n"])]
+        reqs[0].copies = reqs[1:]
+        try:
+            engine.submit(reqs[0])
         except QueueFull as e:
             raise proto.ApiError(429, f"{e}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -154,92 +209,91 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         except RuntimeError as e:      # the engine thread died (its traceback is in the server log)
             raise proto.ApiError(503, str(e), type="server_error", code="engine_stopped") from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        turns = None
         if parse is not None:
-            turn = _ChatTurn(toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse), stop_ids,
-                             s["ignore_eos"], lambda: engine.cancel(req), metrics)
-            if body.stream:
-                return StreamingResponse(_chat_stream(req, events, out, include_usage, turn),
-                                         media_type="text/event-stream")
-            return await _collect(http, req, events, out, turn)
+            turns = [_ChatTurn(toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse), stop_ids,
+                               s["ignore_eos"], lambda r=r: engine.cancel(r), metrics) for r in reqs]
         if body.stream:
-            return StreamingResponse(_stream(req, events, out, include_usage), media_type="text/event-stream")
-        return await _collect(http, req, events, out)
+            return StreamingResponse(_stream(reqs, events, out, include_usage, turns), media_type="text/event-stream")
+        return await _collect(http, reqs, events, out, turns, echo)
 
-    async def _chat_stream(req: Request, events: asyncio.Queue, out: proto.Body, include_usage: bool,
-                           turn: _ChatTurn):
-        first, finish, ev = True, None, None
+    async def _stream(reqs: list[Request], events: asyncio.Queue, out: proto.Body, include_usage: bool,
+                      turns: list[_ChatTurn] | None):
+        """Server-sent events of every choice as its tokens come (chat: parsed into deltas)."""
+        finish: list[str | None] = [None] * len(reqs)
+        last: list = [None] * len(reqs)
+        first = [True] * len(reqs)
         try:
-            while finish is None:
-                ev = await events.get()
+            while None in finish:
+                i, ev = await events.get()
+                if finish[i] is not None:       # after a choice that ended early (its cancel's event)
+                    continue
                 if ev.finish_reason in ("cancelled", "error"):
-                    finish = ev.finish_reason
-                    break
-                parsed, finish = turn.step(ev)
+                    finish[i] = ev.finish_reason
+                    if ev.finish_reason == "error":
+                        break
+                    continue
+                if turns is None:
+                    last[i], finish[i] = ev, ev.finish_reason
+                    if ev.text or ev.logprobs or ev.finish_reason:
+                        yield _sse(out.chunk(ev.text, ev.logprobs, ev.finish_reason, index=i))
+                    continue
+                parsed, finish[i] = turns[i].step(ev)
+                last[i] = turns[i].last
                 deltas = toolcalls.deltas(parsed)
-                if first:
+                if first[i]:
                     deltas.insert(0, {"role": "assistant", "content": ""})
-                    first = False
-                if not deltas and (ev.logprobs or finish):
+                    first[i] = False
+                if not deltas and (ev.logprobs or finish[i]):
                     deltas = [{}]
-                for i, d in enumerate(deltas):
-                    yield _sse(out.delta_chunk(d, ev.logprobs if i == 0 else [],
-                                               finish if i == len(deltas) - 1 else None))
-            if finish == "error":
+                for j, d in enumerate(deltas):
+                    yield _sse(out.delta_chunk(d, ev.logprobs if j == 0 else [],
+                                               finish[i] if j == len(deltas) - 1 else None, index=i))
+            if "error" in finish:
                 yield _sse(proto.ApiError(500, "the engine failed", type="server_error").body())
-            elif include_usage and turn.last is not None:
-                yield _sse(out.usage_chunk(turn.last.prompt_tokens, turn.last.completion_tokens))
+            elif include_usage and any(e is not None for e in last):
+                got = [e for e in last if e is not None]
+                yield _sse(out.usage_chunk(got[0].prompt_tokens, sum(e.completion_tokens for e in got)))
             yield "data: [DONE]\n\n"
         finally:
-            if finish is None:          # the client went away (the generator was closed): free the slot
-                engine.cancel(req)
+            for r, f in zip(reqs, finish):
+                if f is None:           # the client went away (the generator was closed): free the slot
+                    engine.cancel(r)
             if metrics is not None:
-                metrics.finished(finish or "disconnected")
+                metrics.finished(finish[0] or "disconnected")
 
-    async def _stream(req: Request, events: asyncio.Queue, out: proto.Body, include_usage: bool):
-        first, finish, ev = out.kind == "chat", None, None
-        try:
-            while finish is None:
-                ev = await events.get()
-                finish = ev.finish_reason
-                if finish in ("cancelled", "error"):
-                    break
-                if ev.text or ev.logprobs or finish or first:
-                    yield _sse(out.chunk(ev.text, ev.logprobs, finish, first=first))
-                    first = False
-            if finish == "error":
-                yield _sse(proto.ApiError(500, "the engine failed", type="server_error").body())
-            elif include_usage and ev is not None:
-                yield _sse(out.usage_chunk(ev.prompt_tokens, ev.completion_tokens))
-            yield "data: [DONE]\n\n"
-        finally:
-            if finish is None:          # the client went away (the generator was closed): free the slot
-                engine.cancel(req)
-            if metrics is not None:
-                metrics.finished(finish or "disconnected")
-
-    async def _collect(http: HttpRequest, req: Request, events: asyncio.Queue, out: proto.Body,
-                       turn: _ChatTurn | None = None):
-        text, entries, ev = [], [], None
-        getter = asyncio.ensure_future(_drain(events, text, entries, turn))
+    async def _collect(http: HttpRequest, reqs: list[Request], events: asyncio.Queue, out: proto.Body,
+                       turns: list[_ChatTurn] | None = None, echo: tuple[str, int | None] | None = None):
+        texts, entries, prompt_lp = [[] for _ in reqs], [[] for _ in reqs], []
+        getter = asyncio.ensure_future(_drain(events, texts, entries, turns, prompt_lp))
         try:
             while not getter.done():
                 await asyncio.wait({getter}, timeout=0.5)
                 if not getter.done() and await http.is_disconnected():
-                    engine.cancel(req)
-            ev = getter.result()
+                    for r in reqs:
+                        engine.cancel(r)
+            finals = getter.result()
         finally:
             if not getter.done():
                 getter.cancel()
-                engine.cancel(req)
+                for r in reqs:
+                    engine.cancel(r)
         if metrics is not None:
-            metrics.finished(ev.finish_reason)
-        if ev.finish_reason == "error":
+            metrics.finished(finals[0].finish_reason)
+        if any(ev.finish_reason == "error" for ev in finals):
             raise proto.ApiError(500, "the engine failed", type="server_error")
-        if turn is not None:
-            last = turn.last or ev
-            return out.chat_full(toolcalls.message(text), entries, ev.finish_reason, last.prompt_tokens,
-                                 last.completion_tokens)
-        return out.full("".join(text), entries, ev.finish_reason, ev.prompt_tokens, ev.completion_tokens)
+        choices, completion = [], 0
+        for i, ev in enumerate(finals):
+            if turns is not None:
+                ev = dataclasses.replace(turns[i].last or ev, finish_reason=ev.finish_reason)
+                choices.append(out.chat_choice(i, toolcalls.message(texts[i]), entries[i], ev.finish_reason))
+            elif echo is not None:
+                choices.append(out.text_choice(i, echo[0] + "".join(texts[i]), prompt_lp + entries[i],
+                                               ev.finish_reason))
+            else:
+                choices.append(out.text_choice(i, "".join(texts[i]), entries[i], ev.finish_reason))
+            completion += ev.completion_tokens
+        return out.response(choices, len(reqs[0].prompt), completion)
 
     return app
 
@@ -275,27 +329,43 @@ class _ChatTurn:
         return parsed, finish
 
 
-async def _drain(events: asyncio.Queue, text: list, entries: list, turn: _ChatTurn | None = None):
-    """Events until the finish -> the last event; text (or, for chat, parser events) and logprob entries
-    appended."""
-    while True:
-        ev = await events.get()
-        entries.extend(ev.logprobs)
-        if turn is not None:
-            if ev.finish_reason in ("cancelled", "error"):
-                return ev
-            parsed, finish = turn.step(ev)
-            text.extend(parsed)
-            if finish is not None:
-                return dataclasses.replace(ev, finish_reason=finish)
+async def _drain(events: asyncio.Queue, texts: list, entries: list, turns: list[_ChatTurn] | None,
+                 prompt_lp: list) -> list:
+    """(choice, event) pairs until every choice finished -> each choice's last event; per choice its
+    text (or, for chat, parser events) and logprob entries appended; the prompt's (echo) to prompt_lp."""
+    finals: list = [None] * len(texts)
+    while None in finals:
+        i, ev = await events.get()
+        if finals[i] is not None:
             continue
-        text.append(ev.text)
+        if ev.prompt_logprobs is not None:
+            prompt_lp[:] = ev.prompt_logprobs
+            continue
+        entries[i].extend(ev.logprobs)
+        if turns is not None:
+            if ev.finish_reason in ("cancelled", "error"):
+                finals[i] = ev
+                continue
+            parsed, finish = turns[i].step(ev)
+            texts[i].extend(parsed)
+            if finish is not None:
+                finals[i] = dataclasses.replace(ev, finish_reason=finish)
+            continue
+        texts[i].append(ev.text)
         if ev.finish_reason is not None:
-            return ev
+            finals[i] = ev
+    return finals
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _prompt_text(prompt, tokenizer, ids: list[int]) -> str:
+    """The prompt as text (echo): as sent, or its token ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
 def _prompt_ids(prompt, tokenizer) -> list[int]:

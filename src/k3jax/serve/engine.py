@@ -3,8 +3,9 @@
 The scheduler loop, one iteration at a time:
 
 1. drop cancelled requests (a client that went away) and free their slots (``reset``);
-2. move queued requests into free slots; with a prefix cache, restore into the slot the longest
-   cached prefix of each new prompt (``prefix_cache``), which then prefills only the rest;
+2. move queued requests into free slots (a request with n choices takes n slots at once); with a
+   prefix cache, restore into the slot the longest cached prefix of each new prompt
+   (``prefix_cache``), which then prefills only the rest;
 3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
    long prompt advances a chunk per iteration, between decode steps, so it never stalls the
    requests that are generating; its last chunk yields its first token; the chunk that ends the
@@ -20,6 +21,11 @@ Tokens become text on this thread (``TextState``), which also applies the stop s
 request's ``sink`` receives ``Event`` objects and must be thread-safe (the HTTP layer hands them to
 its event loop). A request is finished by an EOS / end-of-message token, a stop string,
 ``max_tokens``, or the slot's context (max_target_length) running out.
+
+The n choices of one request: the first (with the others in ``copies``) prefills the prompt but its
+last token, its slot is copied into theirs (``copy``), and each then decodes the last prompt token
+as its first step, so every choice draws its first token with its own seed. A request with
+``prompt_logprobs`` (completions echo) prefills with ``prefill_lp``, which also scores the prompt.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class Event:
     finish_reason: str | None = None           # "stop" | "length" | "cancelled" on the last event
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[dict] | None = None  # echo: one entry per prompt token, the first None
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,10 +76,14 @@ class Request:
     id: str = ""
     ignore_eos: bool = False                  # stop tokens do not end it (fixed-length benchmarks)
     media: tuple = ()                         # (token position, content digest) per media item: prefix cache keys
+    prompt_logprobs: int | None = None        # echo: alternatives per prompt token (None = not scored)
+    copies: list = dataclasses.field(default_factory=list)   # n > 1: the other choices (they share r's prefill)
     # engine state
     slot: int = -1
     prefilled: int = 0
     reused: int = 0                           # prompt tokens restored from the prefix cache
+    waiting: bool = False                     # a copy whose leader has not finished its prefill
+    prompt_entries: list = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     done: bool = False
@@ -118,12 +129,14 @@ class Engine:
                 raise RuntimeError(f"the engine stopped: {self.error!r}")
             # Queued requests first fill the free slots (the engine thread admits them at its
             # next iteration); only those beyond the free slots are waiting.
-            waiting = len(self.queue) - sum(s is None for s in self.slots)
-            if waiting >= self.max_queue:
+            waiting = sum(1 + len(r.copies) for r in self.queue) - sum(s is None for s in self.slots)
+            if waiting + len(req.copies) >= self.max_queue:
                 raise QueueFull(f"all {len(self.slots)} slots are busy and {len(self.queue)} requests are queued")
-            req.id = req.id or f"req-{next(self._ids)}"
-            req.submitted = time.perf_counter()
-            req.text = TextState(self.tok, req.stop)
+            for i, r in enumerate([req, *req.copies]):
+                r.id = r.id or f"req-{next(self._ids)}"
+                r.submitted = time.perf_counter()
+                r.text = TextState(self.tok, r.stop)
+                r.waiting = i > 0
             self.queue.append(req)
             self._cv.notify()
 
@@ -168,9 +181,7 @@ class Engine:
         with self._cv:
             freed = self._drop_cancelled()
             admitted = self._admit()
-            prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
-            decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
-            if not (prefilling or decoding or freed):
+            if not (freed or any(r is not None for r in self.slots)):
                 if self._stopping and not self.queue:
                     return False
                 self._cv.wait(0.5)
@@ -185,6 +196,9 @@ class Engine:
             self._run_step(Step.reset(slot))
         for r in admitted:
             self._restore(r)
+            self._start_copies(r)
+        prefilling = [r for r in self.slots if r is not None and not r.waiting and r.prefilled < self._end(r)]
+        decoding = [r for r in self.slots if r is not None and not r.waiting and r.prefilled >= self._end(r)]
         if prefilling:
             self._prefill_chunk(min(prefilling, key=lambda r: r.submitted))
         if decoding:
@@ -194,29 +208,51 @@ class Engine:
     def _drop_cancelled(self) -> list[int]:
         for r in [r for r in self.queue if r.cancelled]:
             self.queue.remove(r)
-            self._finish(r, "cancelled")
+            for c in [r, *r.copies]:
+                self._finish(c, "cancelled")
         freed = []
         for i, r in enumerate(self.slots):
             if r is not None and (r.cancelled or r.done):
                 if not r.done:
                     self._finish(r, "cancelled")
+                    for c in r.copies:      # copies that never started go with their leader
+                        c.cancelled = c.cancelled or c.waiting
                 self.slots[i] = None
                 freed.append(i)
         return freed
 
     def _admit(self) -> list[Request]:
         out = []
-        for i in range(len(self.slots)):
-            if self.slots[i] is None and self.queue:
-                r = self.queue.popleft()
-                r.slot = i
-                self.slots[i] = r
-                out.append(r)
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        # A request and its n - 1 copies take their slots together; first come, first served.
+        while self.queue and 1 + len(self.queue[0].copies) <= len(free):
+            r = self.queue.popleft()
+            for c in [r, *r.copies]:
+                c.slot = free.pop(0)
+                self.slots[c.slot] = c
+            out.append(r)
         return out
+
+    @staticmethod
+    def _end(r: Request) -> int:
+        """Prompt tokens r prefills. The copies of an n > 1 request (which share its state) start
+        from a copy of its slot before its last prompt token, which each one then decodes itself
+        (its own first sample), so the leader stops one short."""
+        return len(r.prompt) - 1 if r.copies and r.max_tokens > 0 else len(r.prompt)
+
+    def _start_copies(self, r: Request) -> None:
+        """r (with copies) prefilled up to its end: its slot state goes into each copy's slot."""
+        if not r.copies or r.prefilled < self._end(r) or not r.copies[0].waiting:
+            return
+        for c in r.copies:
+            if self.slots[c.slot] is c and not c.cancelled:
+                self._run_step(Step.ints("copy", r.slot, c.slot))
+            # in the cache: the prompt but its last token, which the copy's first decode step feeds
+            c.prefilled, c.reused, c.waiting = len(c.prompt), r.reused, False
 
     def _restore(self, r: Request) -> None:
         """Copy the longest cached prefix of r's prompt into its (zeroed) slot."""
-        if self.prefix is None:
+        if self.prefix is None or r.prompt_logprobs is not None:   # echo scores every prompt token
             return
         m = self.prefix.lookup(r.prompt, r.media)
         if m is not None:
@@ -246,15 +282,30 @@ class Engine:
         return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated)
 
     def _prefill_chunk(self, r: Request) -> None:
-        piece = r.prompt[r.prefilled:r.prefilled + self.chunk]
-        out = self._run_step(Step.prefill(r.slot, piece, r.prefilled, *self._sampling(r)))
+        start = r.prefilled
+        piece = r.prompt[start:min(start + self.chunk, self._end(r))]
+        if r.prompt_logprobs is None:
+            out = self._run_step(Step.prefill(r.slot, piece, start, *self._sampling(r)))
+        else:
+            targets = r.prompt[start + 1:start + len(piece) + 1]
+            out = self._run_step(Step.prefill_lp(r.slot, piece, start, *self._sampling(r), targets))
+            for t, lp, ids, lps in zip(targets, *out[4:]):
+                r.prompt_entries.append(self._logprob_entry(t, lp, ids, lps, r.prompt_logprobs))
         r.prefilled += len(piece)
         self._save_prefix(r)
-        if r.prefilled == len(r.prompt):
-            r.first_token_at = time.perf_counter()
-            self.first_token_log.append((self.iteration, r.id))
-            if self.metrics is not None:
-                self.metrics.first_token(r.first_token_at - r.submitted)
+        if r.prefilled < self._end(r):
+            return
+        if r.prompt_logprobs is not None:
+            first = {"id": r.prompt[0], "token": self._piece(r.prompt[0]), "logprob": None, "top": None,
+                     "bytes": list(self.tok.decode_bytes([r.prompt[0]]))}
+            for c in [r, *r.copies]:
+                c.sink(Event("", [], [], prompt_logprobs=[first, *r.prompt_entries]))
+        if r.max_tokens == 0:           # echo only: the prompt's log-probabilities, nothing generated
+            for c in [r, *r.copies]:
+                self._finish(c, "length")
+        elif r.copies:
+            self._start_copies(r)
+        else:
             self._accept(r, out[0], out[1], out[2], out[3])
 
     def _decode(self, rows: list[Request]) -> None:
@@ -266,7 +317,8 @@ class Engine:
         for r in rows:
             i = r.slot
             t, k, p, s, c = self._sampling(r)
-            tokens[i], pos[i], active[i] = r.generated[-1], len(r.prompt) + len(r.generated) - 1, True
+            last = r.generated[-1] if r.generated else r.prompt[-1]    # a copy's first step: the last prompt token
+            tokens[i], pos[i], active[i] = last, len(r.prompt) + len(r.generated) - 1, True
             temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = t, k, p, s, c
         self.decode_log.append((self.iteration, tuple(sorted(r.id for r in rows))))
         tok, lp, top_ids, top_lp = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p,
@@ -280,6 +332,11 @@ class Engine:
     def _accept(self, r: Request, token, lp, top_ids, top_lp) -> None:
         """One new token of request r: text, stop checks, the event to its sink."""
         token = int(token)
+        if not r.generated:
+            r.first_token_at = time.perf_counter()
+            self.first_token_log.append((self.iteration, r.id))
+            if self.metrics is not None:
+                self.metrics.first_token(r.first_token_at - r.submitted)
         r.generated.append(token)
         if self.metrics is not None:
             self.metrics.tokens(1)

@@ -2,7 +2,7 @@
 
 Process 0 runs HTTP and the scheduler; every process holds its shards of the weights and of the
 slot cache and runs the same compiled programs. Before each device step process 0 broadcasts the
-step's inputs (``Step``: decode / prefill chunk / slot reset / prefix cache copy, all fixed-shape numpy) as one int32
+step's inputs (``Step``: decode / prefill chunk / slot reset or copy / prefix cache copy, all fixed-shape numpy) as one int32
 vector of a fixed size (``Wire``), with ``multihost_utils.broadcast_one_to_all``; the followers
 (``follow``) decode it and run the step, so every process enters the same program with the same
 inputs in the same order. While idle, process 0 sends a no-op every half second (a follower never
@@ -21,8 +21,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop")
-INT_KINDS = KINDS[4:]   # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
+KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
+         "copy", "prefill_lp")
+# steps whose inputs are a few ints (a slot, a position, a prefix cache id)
+INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy")
 
 
 @dataclasses.dataclass
@@ -42,6 +44,12 @@ class Step:
     def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
         return cls("prefill", (int(slot), np.asarray(tokens, np.int32), int(pos), float(np.float32(temperature)),
                                int(top_k), float(np.float32(top_p)), int(seed) & 0xFFFFFFFF, int(counter)))
+
+    @classmethod
+    def prefill_lp(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
+        """A prefill chunk that also scores the prompt (``targets``: the token after each of ``tokens``)."""
+        return cls("prefill_lp", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter).args
+                   + (np.asarray(targets, np.int32),))
 
     @classmethod
     def reset(cls, slot):
@@ -65,7 +73,7 @@ class Wire:
 
     def __init__(self, slots: int, max_chunk: int):
         self.b, self.c = slots, max_chunk
-        self.size = 2 + max(8 * slots, 8 + max_chunk)
+        self.size = 2 + max(8 * slots, 8 + 2 * max_chunk)
 
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
@@ -75,12 +83,14 @@ class Wire:
             cols = [tokens, pos, active.astype(np.int32), _bits(temperature, np.float32), top_k,
                     _bits(top_p, np.float32), _bits(seeds, np.uint32), counters]
             out[2:2 + 8 * self.b] = np.concatenate([np.asarray(c, np.int32) for c in cols])
-        elif step.kind == "prefill":
-            slot, tokens, pos, temperature, top_k, top_p, seed, counter = step.args
+        elif step.kind in ("prefill", "prefill_lp"):
+            slot, tokens, pos, temperature, top_k, top_p, seed, counter = step.args[:8]
             out[1] = len(tokens)
+            targets = step.args[8] if step.kind == "prefill_lp" else ()
             out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
-                         _bits(seed, np.uint32), counter, 0]
+                         _bits(seed, np.uint32), counter, len(targets)]
             out[10:10 + len(tokens)] = tokens
+            out[10 + self.c:10 + self.c + len(targets)] = targets
         elif step.kind in INT_KINDS:
             out[1] = len(step.args)
             out[2:2 + len(step.args)] = step.args
@@ -93,11 +103,14 @@ class Wire:
             c = arr[2:2 + 8 * self.b].reshape(8, self.b)
             return Step.decode(c[0], c[1], c[2].astype(bool), c[3].view(np.float32), c[4], c[5].view(np.float32),
                                c[6].view(np.uint32), c[7])
-        if kind == "prefill":
+        if kind in ("prefill", "prefill_lp"):
             n = int(arr[1])
             h = arr[2:10]
-            return Step.prefill(h[0], arr[10:10 + n], h[1], h[2:3].view(np.float32)[0], h[3],
+            step = Step.prefill(h[0], arr[10:10 + n], h[1], h[2:3].view(np.float32)[0], h[3],
                                 h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6])
+            if kind == "prefill":
+                return step
+            return Step("prefill_lp", step.args + (arr[10 + self.c:10 + self.c + int(h[7])].copy(),))
         if kind in INT_KINDS:
             return Step.ints(kind, *arr[2:2 + int(arr[1])])
         return Step(kind)

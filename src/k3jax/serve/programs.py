@@ -14,6 +14,9 @@ latent cache region. These programs run on it, each compiled once, ahead of time
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
   request ever triggers a compilation. The chunk's last real token gives the first sampled token.
 - ``reset``: zero one slot's rows when its request ends, so a slot always starts from zeros.
+- ``copy``: one slot's rows of every leaf into another (the n copies of a request share its prefill).
+- ``prefill_lp``: ``prefill`` in the largest chunk that also returns every position's
+  log-probability of the next prompt token and its top alternatives (completions ``echo``).
 - with a prefix cache (``prefix_block`` > 0): ``save_block`` / ``load_block`` copy one slot's MLA
   rows of one block out of / into the cache, ``save_state`` / ``load_state`` its KDA recurrent and
   conv state; saved pieces stay on device in ``self.store`` under an id the engine chooses (every
@@ -69,6 +72,19 @@ def _keys(seeds, counters):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
+def _extend_all(model, tokens, cache, pos, lengths):
+    """``model.extend`` returning the logits of every position of the chunk ([T, V] f32 for its one
+    row) instead of the last real one's: the prompt's log-probabilities (completions ``echo``)."""
+    res = model._initial_residual(model.embed(tokens))
+
+    def step(layer, res, flags, c):
+        return layer.extend(res, c, pos, lengths, **flags)
+
+    res, new = model._walk(res, step, per_site=cache)
+    h = model.final_hidden(res)[0]
+    return jnp.einsum("td,dv->tv", h, model.head_weight().astype(h.dtype), preferred_element_type=jnp.float32), new
+
+
 class Programs:
     """The slot cache and the compiled decode / prefill / reset programs of one model.
 
@@ -105,6 +121,10 @@ class Programs:
             self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
             self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
             self._reset = self._compile(self._reset_fn, [i32], out="cache")
+            self._copy = self._compile(self._copy_fn, [i32, i32], out="cache")
+            c = self.buckets[-1]
+            self._prefill_lp = self._compile(self._prefill_lp_fn, self._prefill_args(c)
+                                             + [jax.ShapeDtypeStruct((c,), jnp.int32)])
             if self.prefix_block:
                 block = [self._piece(shape, dt, axes, ax, self.prefix_block)
                          for (shape, dt, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent) if not rec]
@@ -175,6 +195,24 @@ class Programs:
         del state
         return [jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros_like(jax.lax.dynamic_slice_in_dim(x, 0, 1, ax)),
                                                     slot, ax) for x, ax in zip(cache, self._batch_axis)]
+
+    def _prefill_lp_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
+                       targets):
+        """``_prefill_fn`` that also scores the prompt: position i's log-probability of ``targets[i]``
+        (the prompt token after it) and its top alternatives, for every position of the chunk."""
+        row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
+        logits, new = _extend_all(self._model(state), tokens[None], jax.tree.unflatten(self._tdef, row),
+                                  pos[None], length[None])
+        cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
+                 for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
+        last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, 0)
+        tok = sample_rows(last, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
+        return (tok, *logprobs(last, tok, self._k(last)), *logprobs(logits, targets, self._k(logits))), cache
+
+    def _copy_fn(self, state, cache, src, dst):
+        del state
+        return [jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, ax), dst, ax)
+                for x, ax in zip(cache, self._batch_axis)]
 
     def _save_block_fn(self, state, cache, slot, start):
         del state
@@ -277,6 +315,24 @@ class Programs:
             (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32))]
         out, self.cache = self._prefill[c](self.state, self.cache, *args)
         return tuple(self._get(o)[0] for o in out)
+
+    def prefill_lp(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
+        """``prefill`` in the largest chunk bucket that also returns, per token of the chunk, the
+        log-probability of the next prompt token (``targets``) and the top ``TOP_LOGPROBS``
+        alternatives: (token, logprob, top ids, top logprobs, [n] logprobs, [n, K] ids, [n, K])."""
+        n, c = len(tokens), self.buckets[-1]
+        padded, tgt = np.zeros(c, np.int32), np.zeros(c, np.int32)
+        padded[:n], tgt[:len(targets)] = tokens, targets
+        args = [self._put(np.asarray(v, dt)) for v, dt in (
+            (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
+            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (tgt, np.int32))]
+        out, self.cache = self._prefill_lp(self.state, self.cache, *args)
+        out = [self._get(o) for o in out]
+        return (*(o[0] for o in out[:4]), *(o[:n] for o in out[4:]))
+
+    def copy(self, src: int, dst: int):
+        """Slot ``dst``'s rows of every cache leaf := slot ``src``'s (the copies of an n > 1 request)."""
+        self.cache = self._copy(self.state, self.cache, *self._ints(src, dst))
 
     def reset(self, slot: int):
         """Zero slot ``slot``'s rows of every cache leaf."""

@@ -5,6 +5,7 @@ vLLM). An unknown field is ignored unless it would change the output and k3jax d
 """
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -53,6 +54,26 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class ChatRequest(_Common):
@@ -128,7 +149,7 @@ def tool_choice(req: ChatRequest) -> tuple[str, str | None, list[str]]:
     return c, None, names
 
 
-def template_kwargs(req: ChatRequest) -> dict:
+def template_kwargs(req) -> dict:
     kw = dict(req.chat_template_kwargs or {})
     bad = [k for k in kw if k in RESERVED_TEMPLATE_KWARGS]
     if bad:
@@ -137,10 +158,12 @@ def template_kwargs(req: ChatRequest) -> dict:
     return kw
 
 
-def sampling(req: _Common) -> dict:
-    """Validated sampling settings of a request (ApiError 400 naming the bad parameter)."""
-    if req.n not in (None, 1):
-        raise ApiError(400, f"n={req.n}: only n=1 is supported", param="n")
+def sampling(req: _Common, max_n: int = 1) -> dict:
+    """Validated sampling settings of a request (ApiError 400 naming the bad parameter); ``max_n``:
+    the most choices a request may ask for (the server's slots, serve_max_batch)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= max_n:
+        raise ApiError(400, f"n={n}: must be between 1 and {max_n} (serve_max_batch, the server's slots)", param="n")
     t = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= t <= 2.0:
         raise ApiError(400, f"temperature={t}: must be between 0 and 2", param="temperature")
@@ -155,19 +178,29 @@ def sampling(req: _Common) -> dict:
         raise ApiError(400, f"stop: at most 4 sequences, got {len(stop)}", param="stop")
     seed = uuid.uuid4().int & 0xFFFFFFFF if req.seed is None else req.seed
     return {"temperature": t, "top_p": p, "top_k": max(k, 0), "stop": tuple(stop), "seed": seed,
-            "ignore_eos": bool(req.ignore_eos)}
+            "ignore_eos": bool(req.ignore_eos), "n": n}
 
 
-def max_tokens(requested: int | None, prompt_len: int, context: int, *, default: int | None, param: str) -> int:
+def copy_seed(seed: int, i: int) -> int:
+    """Choice i's sampling seed: the request's for the first, a hash of (seed, i) for the others, so
+    the same request gives the same n choices."""
+    if i == 0:
+        return seed & 0xFFFFFFFF
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=4).digest(), "little")
+
+
+def max_tokens(requested: int | None, prompt_len: int, context: int, *, default: int | None, param: str,
+               allow_zero: bool = False) -> int:
     """The completion budget: ``requested`` (or the default; None = the rest of the context), checked
-    against the context (prompt + completion <= context) like OpenAI's context_length_exceeded."""
-    if requested is not None and requested < 1:
-        raise ApiError(400, f"{param}={requested}: must be at least 1", param=param)
+    against the context (prompt + completion <= context) like OpenAI's context_length_exceeded.
+    ``allow_zero``: 0 is allowed (completions with echo: the prompt's log-probabilities only)."""
+    if requested is not None and requested < (0 if allow_zero else 1):
+        raise ApiError(400, f"{param}={requested}: must be at least {0 if allow_zero else 1}", param=param)
     want = requested if requested is not None else default
-    total = prompt_len + (want or 1)
+    total = prompt_len + (1 if want is None else want)
     if total > context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                       f"{total} tokens ({prompt_len} in the messages/prompt, {want or 1} for the completion). "
+                       f"{total} tokens ({prompt_len} in the messages/prompt, {total - prompt_len} for the completion). "
                        "Please reduce the length of the prompt or the completion.",
                        param="messages" if param == "max_completion_tokens" else "prompt",
                        code="context_length_exceeded")
@@ -201,7 +234,8 @@ def completion_logprobs(entries: list[dict], offset: int, as_ids: bool = False) 
         offset += len(e["token"])
     return {"tokens": [_name(e["id"], e["token"], as_ids) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_name(i, s, as_ids): v for i, s, v in e["top"]} for e in entries],
+            "top_logprobs": [None if e["top"] is None else {_name(i, s, as_ids): v for i, s, v in e["top"]}
+                             for e in entries],
             "text_offset": offsets}
 
 
@@ -213,51 +247,48 @@ class Body:
         self.kind, self.model, self.logprobs, self.as_ids = kind, model, logprobs, as_ids
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = int(time.time())
-        self.offset = 0
+        self.offsets: dict[int, int] = {}     # per choice: characters streamed so far (text_offset)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _lp(self, entries):
+    def _lp(self, entries, offset: int = 0):
         if self.logprobs is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, self.logprobs, self.as_ids)
-        return completion_logprobs(entries, self.offset, self.as_ids)
+        return completion_logprobs(entries, offset, self.as_ids)
 
-    def chunk(self, text: str, entries: list[dict], finish: str | None, *, first: bool = False) -> dict:
-        lp = self._lp(entries)
+    def chunk(self, text: str, entries: list[dict], finish: str | None, *, first: bool = False,
+              index: int = 0) -> dict:
+        lp = self._lp(entries, self.offsets.get(index, 0))
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             body = dict(self._head("chat.completion.chunk"), choices=[choice])
         else:
-            body = dict(self._head("text_completion"), choices=[{"index": 0, "text": text, "logprobs": lp,
+            body = dict(self._head("text_completion"), choices=[{"index": index, "text": text, "logprobs": lp,
                                                                  "finish_reason": finish}])
-        self.offset += len(text)
+        self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return body
 
-    def delta_chunk(self, delta: dict, entries: list[dict], finish: str | None) -> dict:
+    def delta_chunk(self, delta: dict, entries: list[dict], finish: str | None, index: int = 0) -> dict:
         """A chat chunk with a given delta (content, reasoning_content or tool_calls)."""
-        choice = {"index": 0, "delta": delta, "logprobs": self._lp(entries), "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": self._lp(entries), "finish_reason": finish}
         return dict(self._head("chat.completion.chunk"), choices=[choice])
 
-    def chat_full(self, message: dict, entries: list[dict], finish: str, prompt: int, completion: int) -> dict:
-        choice = {"index": 0, "message": message, "logprobs": self._lp(entries), "finish_reason": finish}
-        return dict(self._head("chat.completion"), choices=[choice], usage=usage(prompt, completion))
+    def chat_choice(self, index: int, message: dict, entries: list[dict], finish: str) -> dict:
+        return {"index": index, "message": message, "logprobs": self._lp(entries), "finish_reason": finish}
+
+    def text_choice(self, index: int, text: str, entries: list[dict], finish: str) -> dict:
+        """A completions choice; with echo, ``text`` and ``entries`` start with the prompt's."""
+        return {"index": index, "text": text, "logprobs": self._lp(entries), "finish_reason": finish}
+
+    def response(self, choices: list[dict], prompt: int, completion: int) -> dict:
+        """The whole (non-streamed) answer; ``completion`` counts every choice's tokens."""
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return dict(self._head(obj), choices=choices, usage=usage(prompt, completion))
 
     def usage_chunk(self, prompt: int, completion: int) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return dict(self._head(obj), choices=[], usage=usage(prompt, completion))
-
-    def full(self, text: str, entries: list[dict], finish: str, prompt: int, completion: int) -> dict:
-        lp = self._lp(entries)
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish}
-            body = dict(self._head("chat.completion"), choices=[choice])
-        else:
-            body = dict(self._head("text_completion"), choices=[{"index": 0, "text": text, "logprobs": lp,
-                                                                 "finish_reason": finish}])
-        body["usage"] = usage(prompt, completion)
-        return body
