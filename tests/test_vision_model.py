@@ -1,7 +1,7 @@
 """Media spliced into the text model (k3jax.multimodal, K3Model.embed_media): the chat template's
 media expansion, the splice itself, a text-only prompt through the vision model, decode with images
 (log-probabilities, no recompiles within a patch bucket, the images= mistakes) and a train step whose
-loss reaches the tower. A tiny K3 (2 layers) with the tiny tower and 28x28 images; the compiled
+loss reaches the tower. A tiny K3 (one MLA layer) with the tiny tower and 28x28 images; the compiled
 programs are shared through the module fixture."""
 import dataclasses
 import importlib
@@ -26,7 +26,7 @@ from k3jax.step import make_train_step
 
 REPO = C.REPO_CONFIGS.parent
 TOK = REPO / "data" / "demo" / "tokenizer"
-# two layers (KDA, MLA), dense FFNs: the splice does not depend on the layer kinds, the compile time does
+# one MLA layer, dense FFN: the splice does not depend on the layer kinds, the compile time does
 TEXT = ["model_name=tiny", "vocab_size=1024", f"tokenizer_path={TOK}", "num_layers=1", "mla_extra_layers=[0]",
         "first_k_dense=1", "attn_res=false", "max_target_length=128"]
 # one 16-patch bucket: a 28x28 image (4 patches) and a 28x56 one (8) run the same programs
