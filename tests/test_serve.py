@@ -527,6 +527,15 @@ def test_echo_prompt_logprobs_equal_the_forward(served):
     np.testing.assert_allclose(lp["token_logprobs"][1:], ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
     tops = np.asarray([sorted(t.values(), reverse=True) for t in lp["top_logprobs"][1:]])
     np.testing.assert_allclose(tops, -np.sort(-ref[:-1], axis=-1)[:, :3], atol=1e-4)
+    # lm-eval's batches: several prompts in one request, choice p for prompt p (ids[:10] is a prefix of ids)
+    status, _, two = post(served.url, "/v1/completions", {"model": served.name, "prompt": [ids, ids[:10]], "echo": True,
+                                                          "logprobs": 3, "max_tokens": 1, "temperature": 0})
+    assert status == 200 and [x["index"] for x in two["choices"]] == [0, 1]
+    assert two["usage"] == {"prompt_tokens": len(ids) + 10, "completion_tokens": 2, "total_tokens": len(ids) + 12}
+    got = [x["logprobs"]["token_logprobs"] for x in two["choices"]]
+    assert len(got[0]) == len(ids) + 1 and len(got[1]) == 11 and got[1][0] is None
+    np.testing.assert_allclose(got[0][1:-1], lp["token_logprobs"][1:], atol=1e-6)
+    np.testing.assert_allclose(got[1][1:-1], ref[np.arange(9), ids[1:10]], atol=1e-4)
     # a text prompt with a completion: the prompt's entries, then the completion's; text = prompt + completion
     text = "The quick brown fox jumps over the lazy dog"
     r = served.client.completions.create(model=served.name, prompt=text, echo=True, logprobs=2, max_tokens=3,

@@ -99,7 +99,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         check_key(request)
         check_model(body.model)
         proto.check_unsupported(body)
-        ids = _prompt_ids(body.prompt, tokenizer)
+        prompts = _prompts(body.prompt, tokenizer)
         k = body.logprobs
         if k is not None and not 0 <= k <= proto.MAX_LOGPROBS:
             raise proto.ApiError(400, f"logprobs={k}: must be between 0 and {proto.MAX_LOGPROBS}", param="logprobs")
@@ -108,11 +108,11 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             if body.stream:
                 raise proto.ApiError(400, "echo: not supported with stream=true; send the request without stream",
                                      param="echo")
-            echo = (_prompt_text(body.prompt, tokenizer, ids), k)
-        n = proto.max_tokens(body.max_tokens, len(ids), context, default=16, param="max_tokens",
-                             allow_zero=bool(body.echo))
+            echo = ([text if text is not None else tokenizer.decode(ids) for text, ids in prompts], k)
+        n = max(proto.max_tokens(body.max_tokens, len(ids), context, default=16, param="max_tokens",
+                                 allow_zero=bool(body.echo)) for _, ids in prompts)
         out = proto.Body("completion", model_name, k, bool(body.return_tokens_as_token_ids))
-        return await _serve(request, body, ids, n, out, echo=echo)
+        return await _serve(request, body, [ids for _, ids in prompts], n, out, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatRequest, request: HttpRequest):
@@ -142,7 +142,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         n = proto.max_tokens(want, len(ids), context, default=None, param=param)
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
-        return await _serve(request, body, ids, n, out, parse)
+        return await _serve(request, body, [ids], n, out, parse)
 
     def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True) -> list[int]:
         try:
@@ -185,22 +185,34 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                 "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
                 "special_tokens": tokenizer.special_ids, "chat_template": getattr(tokenizer, "chat_template", None)}
 
-    async def _serve(http: HttpRequest, body, ids: list[int], n: int, out: proto.Body, parse: dict | None = None,
-                     echo: tuple[str, int | None] | None = None):
-        """Submit the request (its n choices: the first with the others as its copies) and answer.
-        ``echo``: (the prompt's text, the logprobs to score its tokens with, or None)."""
+    async def _serve(http: HttpRequest, body, prompts: list[list[int]], n: int, out: proto.Body,
+                     parse: dict | None = None, echo: tuple[list[str], int | None] | None = None):
+        """Submit the request (per prompt its n choices: the first with the others as its copies; choice
+        i of prompt p has index p * n + i, as in OpenAI's API) and answer. ``echo``: (each prompt's text,
+        the logprobs to score the prompts' tokens with, or None)."""
         s = proto.sampling(body, max_n)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()     # (choice index, Event)
-        reqs = [Request(prompt=ids, max_tokens=n, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                        seed=proto.copy_seed(s["seed"], i), stop=s["stop"], logprobs=out.logprobs,
-                        id=out.id if s["n"] == 1 else f"{out.id}-{i}", ignore_eos=s["ignore_eos"],
+        total = len(prompts) * s["n"]
+        reqs = [Request(prompt=prompts[j // s["n"]], max_tokens=n, temperature=s["temperature"], top_p=s["top_p"],
+                        top_k=s["top_k"], seed=proto.copy_seed(s["seed"], j % s["n"]), stop=s["stop"],
+                        logprobs=out.logprobs, id=out.id if total == 1 else f"{out.id}-{j}", ignore_eos=s["ignore_eos"],
                         prompt_logprobs=echo[1] if echo is not None else None,
-                        sink=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)))
-                for i in range(s["n"])]
-        reqs[0].copies = reqs[1:]
+                        sink=lambda ev, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, ev)))
+                for j in range(total)]
+        groups = [reqs[p:p + s["n"]] for p in range(0, total, s["n"])]
+        for g in groups:
+            g[0].copies = g[1:]
+        submitted: list[Request] = []
         try:
-            engine.submit(reqs[0])
+            try:
+                for g in groups:
+                    engine.submit(g[0])
+                    submitted += g
+            except Exception:
+                for r in submitted:     # a request is answered whole or not at all
+                    engine.cancel(r)
+                raise
         except QueueFull as e:
             raise proto.ApiError(429, f"{e}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -214,11 +226,12 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             turns = [_ChatTurn(toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse), stop_ids,
                                s["ignore_eos"], lambda r=r: engine.cancel(r), metrics) for r in reqs]
         if body.stream:
-            return StreamingResponse(_stream(reqs, events, out, include_usage, turns), media_type="text/event-stream")
-        return await _collect(http, reqs, events, out, turns, echo)
+            return StreamingResponse(_stream(reqs, events, out, include_usage, turns, s["n"]),
+                                     media_type="text/event-stream")
+        return await _collect(http, reqs, events, out, turns, echo, s["n"])
 
     async def _stream(reqs: list[Request], events: asyncio.Queue, out: proto.Body, include_usage: bool,
-                      turns: list[_ChatTurn] | None):
+                      turns: list[_ChatTurn] | None, per: int):
         """Server-sent events of every choice as its tokens come (chat: parsed into deltas)."""
         finish: list[str | None] = [None] * len(reqs)
         last: list = [None] * len(reqs)
@@ -252,8 +265,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
             if "error" in finish:
                 yield _sse(proto.ApiError(500, "the engine failed", type="server_error").body())
             elif include_usage and any(e is not None for e in last):
-                got = [e for e in last if e is not None]
-                yield _sse(out.usage_chunk(got[0].prompt_tokens, sum(e.completion_tokens for e in got)))
+                completion = sum(e.completion_tokens for e in last if e is not None)
+                yield _sse(out.usage_chunk(_prompt_tokens(reqs, per), completion))
             yield "data: [DONE]\n\n"
         finally:
             for r, f in zip(reqs, finish):
@@ -263,8 +276,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                 metrics.finished(finish[0] or "disconnected")
 
     async def _collect(http: HttpRequest, reqs: list[Request], events: asyncio.Queue, out: proto.Body,
-                       turns: list[_ChatTurn] | None = None, echo: tuple[str, int | None] | None = None):
-        texts, entries, prompt_lp = [[] for _ in reqs], [[] for _ in reqs], []
+                       turns: list[_ChatTurn] | None, echo: tuple[list[str], int | None] | None, per: int):
+        texts, entries, prompt_lp = [[] for _ in reqs], [[] for _ in reqs], [[] for _ in reqs]
         getter = asyncio.ensure_future(_drain(events, texts, entries, turns, prompt_lp))
         try:
             while not getter.done():
@@ -288,12 +301,13 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                 ev = dataclasses.replace(turns[i].last or ev, finish_reason=ev.finish_reason)
                 choices.append(out.chat_choice(i, toolcalls.message(texts[i]), entries[i], ev.finish_reason))
             elif echo is not None:
-                choices.append(out.text_choice(i, echo[0] + "".join(texts[i]), prompt_lp + entries[i],
+                choices.append(out.text_choice(i, echo[0][i // per] + "".join(texts[i]),
+                                               prompt_lp[i] + entries[i],
                                                ev.finish_reason))
             else:
                 choices.append(out.text_choice(i, "".join(texts[i]), entries[i], ev.finish_reason))
             completion += ev.completion_tokens
-        return out.response(choices, len(reqs[0].prompt), completion)
+        return out.response(choices, _prompt_tokens(reqs, per), completion)
 
     return app
 
@@ -339,7 +353,7 @@ async def _drain(events: asyncio.Queue, texts: list, entries: list, turns: list[
         if finals[i] is not None:
             continue
         if ev.prompt_logprobs is not None:
-            prompt_lp[:] = ev.prompt_logprobs
+            prompt_lp[i][:] = ev.prompt_logprobs
             continue
         entries[i].extend(ev.logprobs)
         if turns is not None:
@@ -357,21 +371,25 @@ async def _drain(events: asyncio.Queue, texts: list, entries: list, turns: list[
     return finals
 
 
+def _prompt_tokens(reqs: list[Request], per: int) -> int:
+    """usage.prompt_tokens: each prompt once (``per`` choices per prompt)."""
+    return sum(len(r.prompt) for r in reqs[::per])
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _prompt_text(prompt, tokenizer, ids: list[int]) -> str:
-    """The prompt as text (echo): as sent, or its token ids decoded."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+def _prompts(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """A completions prompt (a string or a list of token ids) or a list of them -> per prompt (its text
+    or None for token ids, its ids)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [(p if isinstance(p, str) else None, _prompt_ids(p, tokenizer)) for p in prompt]
+    return [(prompt if isinstance(prompt, str) else None, _prompt_ids(prompt, tokenizer))]
 
 
 def _prompt_ids(prompt, tokenizer) -> list[int]:
-    """A completions prompt: a string, a list of token ids, or one of either in a list."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """One completions prompt: a string or a list of token ids."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -380,7 +398,7 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
         if bad:
             raise proto.ApiError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary", param="prompt")
     else:
-        raise proto.ApiError(400, "prompt: one prompt per request (a string or a list of token ids)", param="prompt")
+        raise proto.ApiError(400, "prompt: a string, a list of token ids, or a list of either", param="prompt")
     if not ids:
         raise proto.ApiError(400, "prompt: empty", param="prompt")
     return ids
