@@ -237,3 +237,20 @@ def test_converter_layout_loads_with_the_tower(mm, tmp_path):
     shutil.rmtree(tmp_path / "ckpt" / "vision")
     with pytest.raises(CheckpointError, match="vision_enabled=true\) and the checkpoint none"):
         restore_state(cfg, make_mesh(cfg))
+
+
+def test_images_read_from_gs(gcs, tmp_path):
+    """decode's image reader takes gs:// paths (k3jax.paths): the same patches as the local file;
+    a missing object is the same one-line error as a missing local file."""
+    from k3jax import paths
+    from k3jax.multimodal import read_image
+    d = tmp_path / "imgs"
+    d.mkdir()
+    image(3, 42, 28).save(d / "a.png")
+    paths.upload(d, f"{gcs.bucket}/vision-model")
+    pcfg = from_config(C.load(C.REPO_CONFIGS / "base.yml", VISION))
+    remote = process_image(read_image(f"{gcs.bucket}/vision-model/a.png"), pcfg)
+    local = process_image(read_image(str(d / "a.png")), pcfg)
+    assert remote.prompt == local.prompt and np.array_equal(remote.patches, local.patches)
+    with pytest.raises(VisionInputError, match="vision-model/none.png: image file not found"):
+        read_image(f"{gcs.bucket}/vision-model/none.png")
