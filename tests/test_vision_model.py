@@ -254,3 +254,30 @@ def test_images_read_from_gs(gcs, tmp_path):
     assert remote.prompt == local.prompt and np.array_equal(remote.patches, local.patches)
     with pytest.raises(VisionInputError, match="vision-model/none.png: image file not found"):
         read_image(f"{gcs.bucket}/vision-model/none.png")
+
+
+def test_export_reads_the_tower_of_a_training_checkpoint(mm, tmp_path):
+    """A training checkpoint holds the tower inside params (params["vision"]); k3jax_to_hf writes
+    it in the released names beside the text tensors."""
+    import orbax.checkpoint as ocp
+    import yaml
+    from safetensors.numpy import load_file
+    from conversion.k3jax_to_hf import export
+    keys = yaml.safe_load((C.REPO_CONFIGS / "models" / "tiny.yml").read_text())
+    keys.update({k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in VISION)
+                 if k not in ("model_name", "tokenizer_path", "max_target_length")})
+    (tmp_path / "model.yml").write_text(yaml.safe_dump(keys))
+    params = nnx.state(mm.model, nnx.Param)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt" / "params", params)
+    ckptr.wait_until_finished()
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), model_name=str(tmp_path / "model.yml"), dtype="float32",
+           progress=False)
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(f))
+    vision = params["vision"]
+    assert np.array_equal(hf["mm_projector.proj.2.weight"], np.asarray(vision["mm_projector"]["proj2"].get_value()).T)
+    assert np.array_equal(hf["vision_tower.encoder.blocks.1.mlp.fc0.weight"],
+                          np.asarray(vision["vision_tower"]["blocks"]["fc0"].get_value())[1].T)
+    assert any(k.endswith("embed_tokens.weight") for k in hf)
