@@ -281,3 +281,12 @@ def test_export_reads_the_tower_of_a_training_checkpoint(mm, tmp_path):
     assert np.array_equal(hf["vision_tower.encoder.blocks.1.mlp.fc0.weight"],
                           np.asarray(vision["vision_tower"]["blocks"]["fc0"].get_value())[1].T)
     assert any(k.endswith("embed_tokens.weight") for k in hf)
+
+
+def test_text_freeze_groups_leave_the_tower_alone(mm):
+    """freeze=[norms, attention, embed] freezes text leaves only: the tower's norms and biases share
+    the ("norm",) axis of text norms, but params["vision"] belongs to no text group."""
+    from k3jax.optim import frozen_mask
+    mask = frozen_mask(nnx.state(mm.model, nnx.Param), ["norms", "attention", "embed", "lm_head"])
+    assert not any(jax.tree.leaves(nnx.to_pure_dict(mask["vision"])))
+    assert any(jax.tree.leaves(nnx.to_pure_dict(mask["norm"])))

@@ -182,6 +182,8 @@ def leaf_groups(path: Path, v: nnx.Variable, paths: Iterable[Path]) -> frozenset
       attn_res   under a layer's ``res`` (AttnResSites) or the model's ``output_attn_res_*``
     """
     paths = set(paths) if not isinstance(paths, (set, frozenset, dict)) else paths
+    if path and path[0] == "vision":   # the tower and projector (params["vision"]) are in no text group
+        return frozenset()
     axes = _core_axes(v)
     groups = set()
     if axes == ("vocab", "embed"):
