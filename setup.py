@@ -37,6 +37,7 @@ setup(
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.
         "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8",
                 "openai>=3.57.0",     # the server tests talk to it with the real OpenAI client
+                "lm-eval[api]>=0.4.13",   # lm-evaluation-harness against the server (no torch)
                 "gcp-storage-emulator>=2026.7.19"],   # a local GCS server for the gs:// tests
         "tpu": ["jax[tpu]>=0.11.2"],
         "cuda": ["jax[cuda13]>=0.11.2"],   # NVIDIA GPUs: jax's CUDA 13 plugin with its CUDA wheels

@@ -24,6 +24,7 @@ from k3jax.serve.api import create_app
 from k3jax.sharding import make_mesh
 
 from helpers import check_greedy
+from lm_eval_client import check_lm_eval
 
 CONTEXT, SLOTS, QUEUE, CHUNK = 96, 8, 8, 16
 # Two decode buckets (the default would compile 1, 2, 4 and 8) and the prefix cache on, in
@@ -560,3 +561,9 @@ def test_tokenizer_routes_round_trip(served):
     assert post(url, "/tokenize", {"prompt": info["eos_token"]})[2]["tokens"] == [tok.eos_id]   # lm-eval's EOS lookup
     assert post(url, "/detokenize", {"tokens": [tok.vocab_size]})[0] == 400
     assert post(url, "/tokenize", {})[0] == 400
+
+
+def test_lm_eval_harness_as_a_client(served, tmp_path):
+    """lm-eval's local-completions (each choice's log-likelihood = a forward within 1e-4) and
+    local-chat-completions (generate_until to completion) on local tasks: tests/lm_eval_client.py."""
+    check_lm_eval(served, tmp_path, CONTEXT)
