@@ -44,6 +44,13 @@ def _tokamax_core(lower_bound: float, max_num_segments: int):
     return core
 
 
+def _auto_core(*args, chunk_size, interpret, batch_axes, head_axis, lower_bound, max_num_segments, **kwargs):
+    """kda_impl=auto: the core is picked when the call is traced, for the platform it lowers for
+    (kernels.platform.AUTO)."""
+    return get_kda_fn(resolve("kda_impl", "auto"), chunk_size=chunk_size, interpret=interpret, batch_axes=batch_axes,
+                      head_axis=head_axis, lower_bound=lower_bound, max_num_segments=max_num_segments)(*args, **kwargs)
+
+
 def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batch_axes=None,
                head_axis=None, lower_bound: float | None = None, max_num_segments: int = 1):
     """The KDA core called `name` (a key of KDA_IMPLS, or "auto": the one kernels.platform.AUTO
@@ -66,14 +73,9 @@ def get_kda_fn(name: str, *, chunk_size: int = 64, interpret: bool = False, batc
     `max_num_segments` documents per row at most (kernels/kda/tokamax.py); chunk_size must be 64
     (tokamax's only chunk). It is wrapped in `shard_kda` like "pallas_tpu" (a Mosaic call again).
     """
-    if name == "auto":
-        kw = dict(chunk_size=chunk_size, interpret=interpret, batch_axes=batch_axes, head_axis=head_axis,
-                  lower_bound=lower_bound, max_num_segments=max_num_segments)
-
-        def auto_core(*args, **kwargs):
-            # Picked when the call is traced, for the platform it lowers for (kernels.platform.AUTO).
-            return get_kda_fn(resolve("kda_impl", "auto"), **kw)(*args, **kwargs)
-        return auto_core
+    if name == "auto":      # a partial, like the named cores: its settings stay readable (.keywords)
+        return functools.partial(_auto_core, chunk_size=chunk_size, interpret=interpret, batch_axes=batch_axes,
+                                 head_axis=head_axis, lower_bound=lower_bound, max_num_segments=max_num_segments)
     if name not in KDA_IMPLS:
         raise ValueError(f"unknown KDA implementation {name!r}; valid: auto, {', '.join(sorted(KDA_IMPLS))}")
     if name == "tokamax":
