@@ -235,7 +235,7 @@ def test_converter_layout_loads_with_the_tower(mm, tmp_path):
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     import shutil
     shutil.rmtree(tmp_path / "ckpt" / "vision")
-    with pytest.raises(CheckpointError, match="vision_enabled=true\) and the checkpoint none"):
+    with pytest.raises(CheckpointError, match=r"vision_enabled=true\) and the checkpoint none"):
         restore_state(cfg, make_mesh(cfg))
 
 
