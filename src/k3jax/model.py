@@ -387,12 +387,13 @@ class K3Model(nnx.Module):
         res, new = self._walk(res, step, per_site=cache)
         return self._logits(self.final_hidden(res)[:, 0]), new
 
-    def extend(self, tokens, cache, pos, lengths):
+    def extend(self, tokens, cache, pos, lengths, *, all_positions: bool = False):
         """Chunked prefill: tokens [B,T], the next T tokens of each row, continuing a cache that
         holds the row's first pos[b] tokens in slots 0..pos[b]-1 (rows start at slot 0: no left
         padding). The first lengths[b] >= 1 tokens are real, the rest pad the chunk to a fixed
         shape. Returns (logits [B,V] f32 after each row's last real token, new cache), the cache
-        as if the row's tokens so far had been prefilled in one piece."""
+        as if the row's tokens so far had been prefilled in one piece. ``all_positions``: the
+        logits of every position instead, [B,T,V] f32 (the server's prompt log-probabilities)."""
         res = self._initial_residual(self.embed(tokens))
 
         def step(layer, res, flags, c):
@@ -400,6 +401,9 @@ class K3Model(nnx.Module):
 
         res, new = self._walk(res, step, per_site=cache)
         h = self.final_hidden(res)
+        if all_positions:
+            return jnp.einsum("btd,dv->btv", h, self.head_weight().astype(h.dtype),
+                              preferred_element_type=jnp.float32), new
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return self._logits(last), new
 

@@ -72,19 +72,6 @@ def _keys(seeds, counters):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
-def _extend_all(model, tokens, cache, pos, lengths):
-    """``model.extend`` returning the logits of every position of the chunk ([T, V] f32 for its one
-    row) instead of the last real one's: the prompt's log-probabilities (completions ``echo``)."""
-    res = model._initial_residual(model.embed(tokens))
-
-    def step(layer, res, flags, c):
-        return layer.extend(res, c, pos, lengths, **flags)
-
-    res, new = model._walk(res, step, per_site=cache)
-    h = model.final_hidden(res)[0]
-    return jnp.einsum("td,dv->tv", h, model.head_weight().astype(h.dtype), preferred_element_type=jnp.float32), new
-
-
 class Programs:
     """The slot cache and the compiled decode / prefill / reset programs of one model.
 
@@ -201,8 +188,9 @@ class Programs:
         """``_prefill_fn`` that also scores the prompt: position i's log-probability of ``targets[i]``
         (the prompt token after it) and its top alternatives, for every position of the chunk."""
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
-        logits, new = _extend_all(self._model(state), tokens[None], jax.tree.unflatten(self._tdef, row),
-                                  pos[None], length[None])
+        logits, new = self._model(state).extend(tokens[None], jax.tree.unflatten(self._tdef, row), pos[None],
+                                                length[None], all_positions=True)
+        logits = logits[0]
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
         last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, 0)
