@@ -19,7 +19,7 @@ demo: setup
 # worksteal 1065 s, plain 1068 s, loadscope 1128 / 1326 s (one module per worker leaves a long tail).
 # (--dist loadgroup does nothing here: with pytest 9.2 and xdist 3.8 its groups never form.)
 test: setup
-	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=15
+	$(PY) -m pytest tests -q -n 2 --dist worksteal --durations=40
 
 bench: setup
 	$(PY) benchmarks/kda.py
