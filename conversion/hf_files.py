@@ -8,11 +8,18 @@ output is both ``load_parameters_path`` and ``tokenizer_path``; ``k3jax_to_hf`` 
 export, so ``transformers`` loads the fine-tuned model as it loaded the original and
 ``apply_chat_template`` renders the same ids.
 
-A remote-code tokenizer module (``tokenization_kimi.py``) is copied as a file, because the
-original's ``tokenizer_config.json`` names it in ``auto_map``; nothing here imports or runs it.
+A multimodal checkpoint adds its processor settings (``preprocessor_config.json``: the patch
+limits, resize and normalisation vLLM's and transformers' processors read; ``processor_config.json``,
+``video_preprocessor_config.json``).
+
+Remote-code modules (``tokenization_kimi.py``, a K2.5 / K3 image processor) are copied as files
+when a copied JSON names them in ``auto_map`` (``"AutoProcessor": "kimi_k25_processor.KimiK25Processor"``
+names ``kimi_k25_processor.py``), so the copy loads where the original did; nothing here imports or
+runs them.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,15 +27,33 @@ import yaml
 
 SIDE_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "tokenizer.model",
               "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-              "generation_config.json")
+              "generation_config.json", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
 CODE_PATTERN = "tokenization_*.py"
 
 
+def auto_map_modules(json_file: Path) -> set[str]:
+    """The module files a JSON's ``auto_map`` names (``"a.B"`` or ``["a.B", null]`` or
+    ``"repo--a.B"`` -> ``a.py``); empty for a file without one or that does not parse."""
+    try:
+        auto = json.loads(json_file.read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return set()
+    refs = [r for v in auto.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    mods = {r.split("--")[-1].rsplit(".", 1)[0] for r in refs if "." in r}
+    return {m + ".py" for m in mods if m.isidentifier()}     # a plain module name, never a path
+
+
 def side_files(directory) -> list[Path]:
-    """The tokenizer / chat template / generation files present in ``directory``, sorted."""
+    """The tokenizer / chat template / generation / processor files present in ``directory``, with
+    the remote-code modules they name, sorted."""
     d = Path(directory)
     found = [d / n for n in SIDE_FILES if (d / n).is_file()]
-    return sorted(found + sorted(d.glob(CODE_PATTERN)))
+    code = set(d.glob(CODE_PATTERN))
+    for f in found:
+        if f.suffix == ".json":
+            code |= {d / m for m in auto_map_modules(f) if (d / m).is_file()}
+    return sorted(found + sorted(code))
 
 
 def has_tokenizer(directory) -> bool:

@@ -302,3 +302,27 @@ def test_unknown_vision_layout_is_one_line():
     with pytest.raises(ValueError) as e:
         vision_map.detect_vision_layout(["vision_tower.blocks.0.attn.qkv.weight"], {"architectures": ["X"]}, "c.json")
     assert "\n" not in str(e.value) and "unknown layout" in str(e.value)
+
+
+def test_processor_files_and_the_code_they_name_travel_with_the_weights(tmp_path):
+    """A multimodal checkpoint's processor settings and the remote-code modules its JSONs name in
+    ``auto_map`` are copied byte for byte (as files, never imported); other .py files are not."""
+    from conversion.hf_files import copy_side_files
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiktoken.model").write_bytes(b"tok")
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None],
+                      "AutoProcessor": "kimi_k25_processor.KimiK25Processor"}}))
+    (src / "preprocessor_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
+                      "AutoVideoProcessor": "../escape.Bad"}, "in_patch_limit": 16384}))
+    for f in ("tokenization_kimi.py", "kimi_k25_processor.py", "kimi_k25_vision_processing.py", "unrelated.py"):
+        (src / f).write_text(f"# {f}\n")
+    (tmp_path / "escape.py").write_text("# outside\n")
+    names = copy_side_files(src, tmp_path / "dst")
+    assert names == ["kimi_k25_processor.py", "kimi_k25_vision_processing.py", "preprocessor_config.json",
+                     "tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"]
+    for n in names:
+        assert (tmp_path / "dst" / n).read_bytes() == (src / n).read_bytes()
