@@ -253,12 +253,14 @@ class TrainConfig:
     router_bias_update_rate: float = _f(1e-3, "aux-loss-free bias update rate; 0 = frozen")
     moe_aux_loss_coef: float = _f(0.0, "sequence-level balance loss weight")
     nan_policy: str = _f("stop", "non-finite loss: stop (keep last good checkpoint) | skip the step", ("stop", "skip"))
-    freeze: list = _f([], "modules kept frozen: any of embed, attention, kda, mla, moe, experts, router, norms, lm_head")
+    freeze: list = _f([], "modules kept frozen: any of embed, attention, kda, mla, moe, experts, router, norms, lm_head, "
+                      "attn_res (text groups: never the vision side), vision (the tower), projector")
     seed: int = _f(0, "parameter-init and dropout seed")
     dtype: str = _f("float32", "activation dtype", ("float32", "bfloat16"))
     weight_dtype: str = _f("float32", "parameter dtype", ("float32", "bfloat16"))
     remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
     scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
+    num_pipeline_microbatches: int = _f(-1, "pipeline (stage > 1): microbatches each step streams through the stages, a multiple of the stage count; -1 = the stage count")
     attn_res_segment_scan: bool = _f(False, "AttnRes: scan the periods block by block (the backward keeps the block buffer once per AttnRes block, not once per period, but on the K3 v5p-2048 compile it took 5.8 GiB more per device in all; docs/architecture.md); false = one flat scan")
     log_period: int = _f(10, "steps between log lines")
     peak_tflops: Optional[float] = _f(None, "peak TFLOP/s per device for MFU; null = known table or a CPU measurement")
@@ -270,7 +272,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft"))
+    dataset_type: str = _f("synthetic", "synthetic | jsonl | parquet | arrayrecord | sft | mm_sft (image conversations, LLaVA / MindSpeed-MM layout; docs/data.md)", ("synthetic", "jsonl", "parquet", "arrayrecord", "sft", "mm_sft"))
     dataset_path: Optional[str] = _f(None, "glob of data files (not needed for synthetic)")
     tokenizer_path: Optional[str] = _f(None, "Kimi tokenizer directory (tiktoken.model + tokenizer_config.json); null = the one recorded with load_parameters_path (<run>/tokenizer, or beside a converter output's params); a training run records its own there")
     data_shuffle: bool = _f(True, "shuffle records")
@@ -284,6 +286,7 @@ class DataConfig:
     sft_default_system_prompt: bool = _f(True, "SFT: give conversations without a system message Kimi's default one, as the chat template does at inference")
     sft_overlong: str = _f("truncate", "SFT conversation longer than max_target_length: truncate (keep the prompt, cut the end) | drop (counted)", ("truncate", "drop"))
     num_epoch: int = _f(0, "passes over the training data; training stops early when they are used up (0 = repeat until steps)")
+    image_root: Optional[str] = _f(None, "mm_sft: directory (local or gs://) that relative image paths are read from; null = the directory of each JSON file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +326,8 @@ class MeshConfig:
     dcn_context_parallelism: int = _f(1, "context axis across slices")
     dcn_expert_parallelism: int = _f(1, "expert axis across slices")
     dcn_tensor_parallelism: int = _f(1, "tensor axis across slices")
+    ici_stage_parallelism: int = _f(1, "stage axis within a slice: pipeline stages over the scanned layer periods (the outermost mesh axis, added only when > 1; docs/sharding.md); 1 = no pipeline")
+    dcn_stage_parallelism: int = _f(1, "stage axis across slices (pipeline stages)")
     shard_params_over_all_axes: bool = _f(True, "also split non-expert weights over the fsdp/expert axes their rules leave "
                                           "unused (training memory); false for serving meshes: replicated over expert, "
                                           "tensor-split only, so decode never all-gathers them")
@@ -360,6 +365,9 @@ class ServeConfig:
     serve_decode_buckets: list = _f([], "serve: decode batch sizes compiled at start; each step runs the smallest that holds the generating slots; [] = powers of two up to serve_max_batch, and it")
     serve_prefix_block: int = _f(0, "serve: prefix cache block in tokens (MLA rows kept per block); a multiple of serve_prefill_chunk; 0 = serve_prefill_chunk")
     serve_prefix_cache_bytes: int = _f(1 << 30, "serve: bytes of cached prompt prefixes (MLA blocks + KDA snapshots), LRU-evicted; 0 = off")
+    serve_image_url_domains: list = _f([], "serve: hosts whose http(s) image_url parts the server fetches (exact names, or .example.com for its subdomains); [] = none (base64 data: URIs only)")
+    serve_image_max_bytes: int = _f(20 << 20, "serve: largest image one image_url part may carry (data: URI decoded or fetched), in bytes")
+    serve_image_fetch_timeout_s: float = _f(10.0, "serve: seconds an http(s) image fetch may take, connection to last byte")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +385,9 @@ class CompileConfig:
                            "of max_target_length tokens per row into its cache)", ("train", "decode", "both", "prefill"))
     compile_dump_dir: Optional[str] = _f(None, "compile: have the compiler write its optimised HLO, buffer assignment and "
                                          "memory-usage report (the largest live buffers at the peak) under this directory")
+    compile_images_per_sequence: int = _f(0, "compile: train step of a vision model with this many square images in "
+                                          "each sequence (media grouped per row); 0 = text only")
+    compile_image_size: int = _f(1024, "compile: side in pixels of those images (the processor's resize rule gives the grid)")
     topology: Optional[str] = _f(None, "plan: TPU topology whose meshes to try")
     plan_expert_parallelism: list = _f([], "plan: expert parallelism sizes to try ([] = the three largest dividing num_experts and the devices)")
     plan_data_parallelism: list = _f([1, 2], "plan: data parallelism sizes to try")
@@ -427,7 +438,7 @@ class Config:
         ici = m.ici_context_parallelism
         if ici == -1:
             others = 1
-            for a in MESH_AXES:
+            for a in ("stage",) + MESH_AXES:
                 others *= getattr(m, f"dcn_{a}_parallelism") * (getattr(m, f"ici_{a}_parallelism") if a != "context" else 1)
             ici = max(1, num_devices // others)
         return ici * dcn

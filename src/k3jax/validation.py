@@ -84,10 +84,19 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     _validate_images(cfg)
     if not set(t.freeze) <= FREEZABLE:
         raise ConfigError(f"freeze={t.freeze}: unknown {sorted(set(t.freeze) - FREEZABLE)}; choose from {sorted(FREEZABLE)}")
+    if VISION_GROUPS & set(t.freeze) and not cfg.vision.vision_enabled:
+        raise ConfigError(f"freeze={t.freeze}: {sorted(VISION_GROUPS & set(t.freeze))} freeze the vision side but "
+                          f"vision_enabled=false; drop them or use a vision model (e.g. model_name=kimi-k3-vl)")
+    if cfg.compile.compile_images_per_sequence and not cfg.vision.vision_enabled:
+        raise ConfigError(f"compile_images_per_sequence={cfg.compile.compile_images_per_sequence} needs a vision model "
+                          f"but vision_enabled=false; use model_name=kimi-k3-vl or set it to 0")
+    if cfg.compile.compile_images_per_sequence < 0 or cfg.compile.compile_image_size < 1:
+        raise ConfigError("compile_images_per_sequence must be >= 0 and compile_image_size >= 1 (pixels)")
     _validate_eval_and_sft(cfg)
     _validate_data(cfg.data)
     _validate_vision(cfg, platform)
     _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
+    _validate_pipeline(cfg, num_devices)
     _validate_processes(cfg)
     _validate_path_schemes(cfg)
     if num_devices is not None:
@@ -198,6 +207,13 @@ def _validate_serve_cache(sv) -> None:
                           f"{sv.serve_prefill_chunk} (or 0 = serve_prefill_chunk)")
     if sv.serve_prefix_cache_bytes < 0:
         raise ConfigError(f"serve_prefix_cache_bytes={sv.serve_prefix_cache_bytes}: must be >= 0 (0 = no prefix cache)")
+    d = sv.serve_image_url_domains
+    if not all(isinstance(x, str) and x.strip(".") and "/" not in x and ":" not in x for x in d):
+        raise ConfigError(f"serve_image_url_domains={d}: must be host names (e.g. [images.example.com] or "
+                          f"[.example.com] for its subdomains), without scheme, port or path")
+    if sv.serve_image_max_bytes < 1 or not sv.serve_image_fetch_timeout_s > 0:
+        raise ConfigError(f"serve_image_max_bytes={sv.serve_image_max_bytes} must be >= 1 and "
+                          f"serve_image_fetch_timeout_s={sv.serve_image_fetch_timeout_s} > 0")
 
 
 def _validate_decode(d) -> None:
@@ -244,7 +260,7 @@ def _validate_data(d) -> None:
 
 # Keys holding a path or a glob: local, or gs:// (k3jax.paths); any other scheme is an error.
 PATH_KEYS = ("dataset_path", "tokenizer_path", "eval_dataset_path", "base_output_directory", "load_parameters_path",
-             "golden", "jax_cache_dir")
+             "golden", "jax_cache_dir", "image_root")
 SUPPORTED_SCHEMES = ("gs", "file")
 
 
@@ -297,6 +313,23 @@ def _validate_eval_and_sft(cfg: Config) -> None:
                           "the evaluation files' type (jsonl, parquet, arrayrecord or sft)")
     if d.num_epoch < 0:
         raise ConfigError(f"num_epoch={d.num_epoch}: must be >= 0 (0 = repeat the data until steps)")
+    if d.dataset_type == "mm_sft":
+        _validate_mm_sft(cfg)
+
+
+def _validate_mm_sft(cfg: Config) -> None:
+    """dataset_type=mm_sft (k3jax.data.mm_sft): image conversations need the tower, and their packed
+    media are one array per batch (not per row, not per micro-batch)."""
+    if not cfg.vision.vision_enabled:
+        raise ConfigError("dataset_type=mm_sft trains on images but vision_enabled=false; use a vision model config "
+                          "(e.g. model_name=kimi-k3-vl) or set vision_enabled=true")
+    if cfg.train.gradient_accumulation_steps != 1:
+        raise ConfigError(f"dataset_type=mm_sft with gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}"
+                          f": a batch's packed media are one array, not one per micro-batch; use "
+                          f"gradient_accumulation_steps=1 and a larger per_device_batch_size")
+    if cfg.eval.eval_dataset_path:
+        raise ConfigError("eval_dataset_path with dataset_type=mm_sft: the evaluation loop does not feed images yet; "
+                          "drop eval_dataset_path")
 
 
 def _axis_sizes(cfg: Config) -> tuple[dict, dict]:
@@ -340,15 +373,87 @@ def _mesh_divisibility(cfg: Config, ici: dict, dcn: dict) -> None:
                               f"ici_/dcn_context_parallelism")
 
 
+def stage_sizes(cfg: Config) -> tuple[int, int]:
+    """(ici, dcn) sizes of the ``stage`` mesh axis (pipeline stages; k3jax.stages), checked. The axis
+    is kept apart from MESH_AXES: meshes without a pipeline stay exactly as they were."""
+    m = cfg.mesh
+    sizes = (m.ici_stage_parallelism, m.dcn_stage_parallelism)
+    for where, s in zip(("ici", "dcn"), sizes):
+        if s < 1:
+            raise ConfigError(f"{where}_stage_parallelism={s}: must be a positive size (-1 fill is not offered for stages)")
+    return sizes
+
+
+def num_stages(cfg: Config) -> int:
+    ici, dcn = stage_sizes(cfg)
+    return ici * dcn
+
+
+def pipeline_microbatches(cfg: Config) -> int:
+    """num_pipeline_microbatches with -1 resolved to the stage count."""
+    m = cfg.train.num_pipeline_microbatches
+    return num_stages(cfg) if m == -1 else m
+
+
+def _validate_pipeline(cfg: Config, num_devices: int | None) -> None:
+    """stage > 1 (k3jax.stages): what the pipeline runs today, each refusal with what to change."""
+    s, m = num_stages(cfg), cfg.train.num_pipeline_microbatches
+    if m == 0 or m < -1:
+        raise ConfigError(f"num_pipeline_microbatches={m}: must be positive, or -1 (= the stage count)")
+    if s == 1:
+        return
+    from k3jax.layout import layout   # pure Python, no jax
+    mc, t, mesh = cfg.model, cfg.train, cfg.mesh
+    name = f"stage parallelism {s} (ici_stage_parallelism={mesh.ici_stage_parallelism} x dcn_stage_parallelism=" \
+           f"{mesh.dcn_stage_parallelism})"
+    periods = layout(mc, t.scan_layers).num_periods
+    if not t.scan_layers:
+        raise ConfigError(f"{name} pipelines the scanned layer periods, but scan_layers=false; set scan_layers=true")
+    if periods % s:
+        raise ConfigError(f"{name} does not divide the {periods} scanned layer periods of this model; use a stage "
+                          f"count dividing {periods}")
+    mb = pipeline_microbatches(cfg)
+    if mb % s:
+        raise ConfigError(f"num_pipeline_microbatches={mb} is not a multiple of the {s} pipeline stages; use "
+                          f"{s}, {2 * s}, ...")
+    if mesh.ici_tensor_parallelism * mesh.dcn_tensor_parallelism != 1:
+        raise ConfigError(f"{name} with tensor parallelism is not supported yet (untested); set "
+                          f"ici_/dcn_tensor_parallelism=1")
+    if cfg.vision.vision_enabled:
+        raise ConfigError(f"{name} with the vision tower (vision_enabled=true) is not supported yet (untested); "
+                          f"train vision models without stages")
+    if t.attn_res_segment_scan:
+        raise ConfigError(f"{name} with attn_res_segment_scan=true: the pipeline runs the flat period scan; set "
+                          f"attn_res_segment_scan=false")
+    c = cfg.checkpoint
+    if c.enable_checkpointing or c.load_parameters_path:
+        raise ConfigError(f"{name}: checkpoints of a pipelined run are not yet saved or restored in layer order, "
+                          f"so the pipeline runs without them for now; set enable_checkpointing=false and no "
+                          f"load_parameters_path (decode and serve run with stage 1)")
+    if num_devices is not None:
+        rows = cfg.global_batch_size(num_devices) // t.gradient_accumulation_steps
+        ici, dcn = mesh_shape(cfg, num_devices)
+        shards = math.prod(ici[a] * dcn[a] for a in ("data", "fsdp", "expert"))
+        if rows % mb or (rows // mb) % shards:
+            raise ConfigError(f"num_pipeline_microbatches={mb}: a batch of {rows} rows does not split into {mb} "
+                              f"microbatches of whole rows on each of the {shards} data x fsdp x expert shards of "
+                              f"a stage; use fewer microbatches or a larger per_device_batch_size")
+
+
 def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
-    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest."""
+    """Resolve (ici, dcn) axis sizes for ``num_devices``; ``-1`` on one ICI axis fills the rest.
+    The ``stage`` axis (``stage_sizes``) takes its share of the devices first and is not in the dicts."""
     ici, dcn = _axis_sizes(cfg)
-    dcn_prod = math.prod(dcn.values())
+    ici_stage, dcn_stage = stage_sizes(cfg)
+    dcn_prod = math.prod(dcn.values()) * dcn_stage
     if dcn_prod != num_slices:
         raise ConfigError(f"dcn parallelism product {dcn_prod} != number of slices {num_slices}")
     per_slice, rem = divmod(num_devices, num_slices)
     if rem:
         raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
+    if per_slice % ici_stage:
+        raise ConfigError(f"ici_stage_parallelism={ici_stage} does not divide the {per_slice} devices per slice")
+    per_slice //= ici_stage
     fills = [a for a, s in ici.items() if s == -1]
     known = math.prod(s for s in ici.values() if s != -1)
     if fills:
@@ -364,4 +469,6 @@ def mesh_shape(cfg: Config, num_devices: int, num_slices: int = 1) -> tuple[dict
     return ici, dcn
 
 
-FREEZABLE = frozenset({"embed", "attention", "kda", "mla", "moe", "experts", "router", "norms", "lm_head", "attn_res"})
+FREEZABLE = frozenset({"embed", "attention", "kda", "mla", "moe", "experts", "router", "norms", "lm_head", "attn_res",
+                       "vision", "projector"})
+VISION_GROUPS = frozenset({"vision", "projector"})   # params["vision"]: the tower, the projector

@@ -180,10 +180,18 @@ def leaf_groups(path: Path, v: nnx.Variable, paths: Iterable[Path]) -> frozenset
                  norm, routed and shared experts; the dense layer-0 MLP is not MoE)
       router     the MoE ``router`` weight
       attn_res   under a layer's ``res`` (AttnResSites) or the model's ``output_attn_res_*``
+    The vision side (params["vision"]) is in none of those: its tower's norms share the ("norm",)
+    axis and its matrices the ("embed", ...) axes, so metadata cannot tell it apart; by path:
+      vision     under ``vision/vision_tower`` (patch and position embeddings, blocks, final norm)
+      projector  under ``vision/mm_projector``
     """
     paths = set(paths) if not isinstance(paths, (set, frozenset, dict)) else paths
     if path and path[0] == "vision":   # the tower and projector (params["vision"]) are in no text group
-        return frozenset()
+        part = {"vision_tower": "vision", "mm_projector": "projector"}.get(path[1] if len(path) > 1 else None)
+        if part is None:
+            raise KeyError(f"parameter {'/'.join(map(str, path))}: neither the tower (vision/vision_tower) nor "
+                           f"the projector (vision/mm_projector)")
+        return frozenset({part})
     axes = _core_axes(v)
     groups = set()
     if axes == ("vocab", "embed"):
