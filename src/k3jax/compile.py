@@ -51,8 +51,42 @@ def abstract_batch(cfg, mesh, global_batch: int):
     t = cfg.train.max_target_length
     sh = token_sharding(mesh)
     spec = lambda dt: jax.ShapeDtypeStruct((global_batch, t), dt, sharding=sh)  # noqa: E731
-    return {"tokens": spec(jnp.int32), "targets": spec(jnp.int32), "segment_ids": spec(jnp.int32),
-            "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
+    batch = {"tokens": spec(jnp.int32), "targets": spec(jnp.int32), "segment_ids": spec(jnp.int32),
+             "positions": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
+    media = media_plan(cfg)
+    if media:
+        batch["media"] = {k: jax.ShapeDtypeStruct((global_batch, *a.shape), a.dtype, sharding=batch_sharding(mesh, 1 + a.ndim))
+                          for k, a in media["arrays"].items()}
+    return batch
+
+
+def media_plan(cfg) -> dict | None:
+    """The media of each row of the compiled VL train step (``compile_images_per_sequence`` square
+    images of ``compile_image_size`` pixels), grouped per row (``VisionEncoder``'s [G, N, ...] form:
+    each device encodes its own rows' images): grid, patch and token counts and one row's arrays
+    (patch bucket from ``vision_patch_buckets`` as the processor pads). None for a text-only step."""
+    n_img = cfg.compile.compile_images_per_sequence
+    if not n_img:
+        return None
+    import numpy as np
+    from k3jax.data.vision_processor import from_config, patch_bucket, resize_plan
+    from k3jax.vision.layout import ARRAY_KEYS, media_layout
+    pcfg, v = from_config(cfg), cfg.vision
+    side = cfg.compile.compile_image_size
+    plan = resize_plan(side, side, pcfg)
+    grids = [(1, plan.grid_h, plan.grid_w)] * n_img
+    patches, tokens = n_img * plan.grid_h * plan.grid_w, n_img * plan.tokens
+    if tokens >= cfg.train.max_target_length:
+        raise C.ConfigError(f"{n_img} images of {side}x{side} pixels make {tokens} tokens, not fewer than "
+                            f"max_target_length={cfg.train.max_target_length}; lower compile_images_per_sequence "
+                            f"or compile_image_size")
+    bucket = patch_bucket(patches, pcfg)
+    m = bucket // v.vision_merge_kernel_size ** 2
+    lay = media_layout(v, np.asarray(grids), bucket, m, max_frames=1)
+    arrays = {k: lay[k] for k in ARRAY_KEYS}
+    arrays["patches"] = np.zeros((bucket, pcfg.patch_dim), np.float32)
+    arrays["slots"] = np.zeros(m, np.int32)
+    return {"images": n_img, "grids": grids, "patches": patches, "tokens": tokens, "bucket": bucket, "arrays": arrays}
 
 
 def abstract_cache(model, mesh, batch: int, length: int):
@@ -324,7 +358,9 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     m, t = cfg.model, cfg.train
     tokens = gb * t.max_target_length
     per_tok = counts.train_flops_per_token(m, t.max_target_length, cfg.kernel.kda_chunk_size)
-    model_flops = per_tok * tokens / n_dev
+    media = media_plan(cfg)
+    vision = gb * counts.vision_train_flops(cfg.vision, m.hidden_size, media["grids"], t.freeze) if media else 0.0
+    model_flops = (per_tok * tokens + vision) / n_dev
     remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
     # Context parallelism: MLA's walk does more than the causal attention core on the busiest shard.
     core = 3.0 * len(m.mla_layer_set) * counts.mla_attention_flops_per_token(m, t.max_target_length)
@@ -332,6 +368,7 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     executed = max((model_flops + cp_extra) * remat, cost["flops"])
     r = roofline(executed, cost["bytes"], chip, ici_bytes)
     r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
+              "vision_flops_per_device": vision / n_dev,
               "executed_flops_per_device": executed,
               "mfu": model_flops / r["step_s"] / chip.peak_flops if r["step_s"] else 0.0})
     r["tokens_per_s_per_chip"] = tokens / r["step_s"] / (n_dev / chip.devices_per_chip) if r["step_s"] else 0.0
@@ -473,6 +510,14 @@ def run(cfg, out=print) -> dict:
         reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "collectives": comm, "compile_s": secs,
                             "global_batch": gb}
         out(f"train step: global batch {gb} x {cfg.train.max_target_length} tokens, compiled in {secs:.1f}s")
+        media = media_plan(cfg)
+        if media:
+            g = media["grids"][0]
+            out(f"train media per sequence: {media['images']} images of {cfg.compile.compile_image_size}px -> grid "
+                f"{g[1]}x{g[2]}, {media['patches']} patches (bucket {media['bucket']}), {media['tokens']} tokens; "
+                f"tower + projector {'frozen' if {'vision', 'projector'} <= set(cfg.train.freeze) else 'trained'}: "
+                f"{est['vision_flops_per_device']:.3e} model FLOPs per device "
+                f"({100 * est['vision_flops_per_device'] / est['model_flops_per_device']:.1f}% of the step)")
         out(format_memory("train", mem))
         out(f"train FLOPs per device: XLA cost analysis {cost['flops']:.3e} (loop bodies once), analytic model "
             f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "

@@ -119,6 +119,49 @@ def train_flops_per_token(m, seq_len: int, kda_chunk: int = 64) -> float:
     return 3.0 * forward_flops_per_token(m, seq_len, kda_chunk)
 
 
+def vision_params(v, text_hidden: int) -> tuple[int, int]:
+    """(tower, projector) parameter counts of a ``vision`` config section (docs/vision.md §6):
+    K3 401.2M / 46.1M, K2.5 416.9M / 54.3M (vision.md §0)."""
+    d, p, q, f = v.vision_hidden_size, v.vision_patch_size, v.qkv_width, v.vision_mlp_dim
+    norm = d * (2 if v.vision_norm == "layernorm" else 1)
+    tower = 3 * p * p * d + (d if v.vision_patch_bias else 0) + v.vision_pos_emb_height * v.vision_pos_emb_width * d
+    block = 2 * norm + 3 * q * d + q * d + 2 * d * f
+    block += (3 * q + d) * v.vision_attn_bias + (f + d) * v.vision_mlp_bias
+    tower += v.vision_num_layers * block + norm
+    din, hid = v.merged_width, v.projector_hidden
+    proj = din * hid + hid * text_hidden
+    proj += 2 * d + hid + text_hidden if v.vision_projector == "patchmerger" else text_hidden
+    return tower, proj
+
+
+def vision_forward_flops(v, text_hidden: int, grids) -> tuple[float, float]:
+    """Forward FLOPs (tower, projector) of encoding media of ``grids`` [(t, h, w), ...]: per patch
+    the patch embedding (2·3p²·D) and per block qkv, wo, fc0, fc1 (2·(4·Q·D + 2·D·F), Q = H·Dh);
+    per media item of n = t·h·w patches, bidirectional attention within the item (scores and values:
+    2 x 2·n²·Q per block); per merged token ((h/k)(w/k) per item) the projector's two matmuls.
+    Norms, the position-table gather and the merge's mean are left out (not matmuls)."""
+    d, p, q, f, k = (v.vision_hidden_size, v.vision_patch_size, v.qkv_width, v.vision_mlp_dim,
+                     v.vision_merge_kernel_size)
+    per_patch = 2.0 * 3 * p * p * d + v.vision_num_layers * 2.0 * (4 * q * d + 2 * d * f)
+    per_token = 2.0 * (v.merged_width * v.projector_hidden + v.projector_hidden * text_hidden)
+    tower = proj = 0.0
+    for t, h, w in grids:
+        n = t * h * w
+        tower += n * per_patch + v.vision_num_layers * 4.0 * n * n * q
+        proj += (h // k) * (w // k) * per_token
+    return tower, proj
+
+
+def vision_train_flops(v, text_hidden: int, grids, freeze=()) -> float:
+    """Model FLOPs of the vision side in one train step (for MFU): a trained part counts forward +
+    backward (3 x forward), a frozen part its forward only, except a frozen projector behind a
+    trained tower, whose backward still carries the tower's gradient (2 x forward: no weight
+    gradients)."""
+    tower, proj = vision_forward_flops(v, text_hidden, grids)
+    t_frozen, p_frozen = "vision" in freeze, "projector" in freeze
+    return tower * (1.0 if t_frozen else 3.0) + proj * ((1.0 if t_frozen else 2.0) if p_frozen else 3.0)
+
+
 def decode_cache_bytes(m, length: int, *, context: int = 1, latent_bytes: int = 4, state_bytes: int = 4) -> dict:
     """Decode cache of one sequence of ``length`` tokens, per device of a ``context``-way split
     (the MLA latent's cache_seq axis maps to the context mesh axis; KDA's state is length-free and

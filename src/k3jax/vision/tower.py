@@ -16,8 +16,9 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers.common import ones, param, zeros
+from k3jax.sharding import constrain
 from k3jax.vision.attention import segment_attention
-from k3jax.vision.layout import temporal_table
+from k3jax.vision.layout import ARRAY_KEYS, temporal_table
 
 
 class Norm(nnx.Module):
@@ -225,7 +226,17 @@ class VisionEncoder(nnx.Module):
 
     def __call__(self, patches, layout, *, remat: bool = False):
         """patches [N, 3pp] + layout arrays -> features [M, text_hidden] (M = the token bucket;
-        rows past the layout's real tokens are padding)."""
+        rows past the layout's real tokens are padding).
+
+        Grouped media, patches [G, N, 3pp] with every layout array led by G (each group its own
+        packed sequence and layout, e.g. one group per batch row) -> [G, M, text_hidden]: the
+        groups run side by side (vmap), split over the batch axes like the rows, so at pod scale
+        each device encodes its own rows' media and attention never spans two groups."""
+        if patches.ndim == 3:
+            gdef, state = nnx.split(self)
+            one = lambda p, lay: nnx.merge(gdef, state)(p, lay, remat=remat)  # noqa: E731
+            patches = constrain(patches, ("batch", None, None))
+            return constrain(jax.vmap(one)(patches, {k: layout[k] for k in ARRAY_KEYS}), ("batch", None, None))
         hidden = self.vision_tower(patches, layout, remat=remat)
         with jax.named_scope("merge"):
             merged = merge_patches(hidden, layout)
