@@ -146,8 +146,9 @@ def test_weight_collective_bytes_by_hand():
     # dense: gathered over fsdp x expert (G = 8): 3 * 7 * 512; experts stay local on `expert`, gathered
     # over fsdp (G = 4): 3 * 3 * 1024; the vector is not gathered.
     assert got["weight_gather"] == 3 * 7 * 512 + 3 * 3 * 1024
-    # reduce-scatters (7 * 512 + 3 * 1024) and the all-reduce over data=2 (2 * 1/2 shard) for all three.
-    assert got["grad_reduce"] == 7 * 512 + 3 * 1024 + (512 + 1024 + 256)
+    # reduce-scatters (7 * 512 + 3 * 1024), the all-reduce over data=2 (2 * 1/2 shard) for the split
+    # two and over data x fsdp x expert = 16 (2 * 15/16 shard) for the replicated vector.
+    assert got["grad_reduce"] == 7 * 512 + 3 * 1024 + (512 + 1024 + 2 * 15 / 16 * 256)
     assert K.weight_collective_bytes([dense], {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, 3) == \
         {"weight_gather": 0.0, "grad_reduce": 0.0}
 

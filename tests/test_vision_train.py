@@ -184,3 +184,18 @@ def test_grouped_media_equal_the_flat_packing_and_a_frozen_tower_stays_put():
     assert tower and not [p for p in tower if flat_moved[p]]
     assert all(v for p, v in flat_moved.items() if p[:2] == ("vision", "mm_projector"))
     assert any(v for p, v in flat_moved.items() if p[0] != "vision")
+
+
+def test_replicated_tower_keeps_text_shardings():
+    """vision_param_sharding=replicated: every tower and projector leaf whole on each device, the
+    text leaves as sharded as before; sharded (the default) splits the tower's matrices."""
+    from k3jax.sharding import make_mesh
+    cfg = load("ici_fsdp_parallelism=8")
+    mesh = make_mesh(cfg)
+
+    def specs(c):
+        return {p: v.get_value().sharding.spec for p, v in variables_by_path(abstract_state(c, mesh)[1]["params"]).items()}
+    sharded, replicated = specs(cfg), specs(C.override(cfg, {"vision_param_sharding": "replicated"}))
+    assert sharded[("vision", "vision_tower", "blocks", "wqkv")] != jax.sharding.PartitionSpec()
+    for p, s in replicated.items():
+        assert s == (jax.sharding.PartitionSpec() if p[0] == "vision" else sharded[p]), p

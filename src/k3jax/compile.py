@@ -263,8 +263,9 @@ def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
     their shard) and, for routed-expert weights (an ``exp`` axis), ``expert`` (each device runs its
     own experts). A ring all-gather over G devices receives (G - 1) shards; ``passes`` gathers per
     step (forward, backward, and remat's recomputed forward). The gradient leaves by a
-    reduce-scatter over the same group (G - 1 shards) and an all-reduce over ``data`` when the
-    weight is not split on it (2 (D - 1) / D shards).
+    reduce-scatter over the same group (G - 1 shards) and an all-reduce over the batch axes (data,
+    fsdp, expert; not expert for routed experts) the weight is not split on (2 (R - 1) / R shards,
+    R their size: a replicated weight's gradient is summed over every device's rows).
     """
     gather = reduce = 0.0
     for shape, itemsize, spec, axes in leaves:
@@ -274,9 +275,10 @@ def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
         g = math.prod(mesh_shape[a] for a in split if a not in keep)
         gather += passes * (g - 1) * shard
         reduce += (g - 1) * shard
-        d = mesh_shape.get("data", 1)
-        if d > 1 and "data" not in split:
-            reduce += 2 * (d - 1) / d * shard
+        r = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert")
+                      if a not in split and not (a == "expert" and "exp" in axes))
+        if r > 1:
+            reduce += 2 * (r - 1) / r * shard
     return {"weight_gather": gather, "grad_reduce": reduce}
 
 

@@ -155,6 +155,9 @@ class VisionConfig:
                                     "all keys with a segment-id mask, O(block x N) memory, any platform) | splash (TPU "
                                     "splash attention with segment ids)", ("blocked", "splash"))
     vision_attention_block: int = _f(512, "blocked: query rows per block")
+    vision_param_sharding: str = _f("sharded", "tower and projector weights on a mesh: sharded (by their logical axes, "
+                                    "as text weights: gathered for use) | replicated (whole on every device, "
+                                    "gradients all-reduced)", ("sharded", "replicated"))
     # Host-side processor (k3jax.data.vision_processor; docs/vision.md §1). Defaults: K3's media_proc_cfg.
     vision_in_patch_limit: int = _f(65536, "patch budget of one image before padding (K3: 65536, K2.5: 16384)")
     vision_side_limit: int = _f(512, "most patches on one side of an image")

@@ -64,6 +64,10 @@ def abstract_state(cfg, mesh=None, *, optimizer: bool = False):
     if mesh is not None:
         extend = cfg.mesh.shard_params_over_all_axes
         params, rest = _with_shardings(params, mesh, extend), _with_shardings(rest, mesh, extend)
+        if "vision" in params and cfg.vision.vision_param_sharding == "replicated":
+            whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            params["vision"] = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)),
+                                            params["vision"], is_leaf=lambda x: isinstance(x, nnx.Variable))
     state = {"params": params, "rest": rest}
     tx = None
     if optimizer:
