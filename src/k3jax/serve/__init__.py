@@ -2,7 +2,8 @@
 ``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
 
 Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk,
-serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes; each slot holds
+serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes, serve_image_url_domains,
+serve_image_max_bytes, serve_image_fetch_timeout_s (chat image_url parts on a vision model); each slot holds
 max_target_length tokens (prompt + completion). The tokenizer is the checkpoint's (``tokenizer_path``
 or the one recorded with it) and chat prompts use its own chat template. SIGTERM (or Ctrl-C)
 drains: no new connections, running and queued requests finish, exit 0.
@@ -11,6 +12,7 @@ runs HTTP and the scheduler and broadcasts each step's inputs, every process run
 
 programs.py  the slot cache and the compiled decode / prefill-chunk / reset / prefix-copy programs
 prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, LRU)
+media.py     chat image_url parts: data: URIs and allowed http(s) URLs -> processed images, digests
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
 text.py      incremental detokenisation and stop strings
 toolcalls.py the streaming parser of Kimi tool calls and thinking over generated token ids
@@ -43,15 +45,22 @@ def build(cfg, mesh=None):
     tok = load_tokenizer(cfg)
     mesh = make_mesh(cfg) if mesh is None else mesh
     model = load_model(cfg, mesh)
+    images = None
+    if cfg.vision.vision_enabled:
+        from k3jax.data.vision_processor import from_config
+        from k3jax.multimodal import media_token_ids
+        images = {"pcfg": from_config(cfg), "pad_id": media_token_ids(tok)[2], "domains": tuple(sv.serve_image_url_domains),
+                  "max_bytes": sv.serve_image_max_bytes, "timeout": sv.serve_image_fetch_timeout_s}
     programs = Programs(model, mesh, slots=sv.serve_max_batch, length=cfg.train.max_target_length,
                         chunk=sv.serve_prefill_chunk, decode_sizes=sv.serve_decode_buckets,
-                        prefix_block=(sv.serve_prefix_block or sv.serve_prefill_chunk) if sv.serve_prefix_cache_bytes else 0)
+                        prefix_block=(sv.serve_prefix_block or sv.serve_prefill_chunk) if sv.serve_prefix_cache_bytes else 0,
+                        media=(images["pcfg"], images["pad_id"]) if images else None)
     engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id),
                     prefix_cache_bytes=sv.serve_prefix_cache_bytes)
     metrics = ServeMetrics(engine.stats)
     engine.metrics = metrics
     app = create_app(engine, tok, model_name=cfg.model_name, context=cfg.train.max_target_length,
-                     api_key=sv.serve_api_key, metrics=metrics)
+                     api_key=sv.serve_api_key, metrics=metrics, images=images)
     return engine, app, metrics
 
 

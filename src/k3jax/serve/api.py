@@ -13,6 +13,9 @@ parameters, malformed JSON and a prompt that does not fit the context (``context
 401 for a missing or wrong key, 404 for another model's name, 429 with ``Retry-After`` when the
 queue is full, 503 while shutting down. A client that disconnects (mid-stream or while waiting)
 cancels its request, which frees its slot at the engine's next iteration.
+
+Chat messages may hold ``image_url`` parts on a vision model (``k3jax.serve.media``: base64 data:
+URIs, http(s) URLs from ``serve_image_url_domains``); each image misuse is a 400.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3jax.data.chat_template import chat_ids
+from k3jax.serve import media as mediaio
 from k3jax.serve import protocol as proto
 from k3jax.serve import toolcalls
 from k3jax.serve.engine import Draining, QueueFull, Request
@@ -40,8 +44,10 @@ def _error(e: proto.ApiError) -> JSONResponse:
 
 
 def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str | None = None,
-               metrics=None) -> FastAPI:
-    """The ASGI app. ``context`` = cache positions per slot (prompt + completion must fit)."""
+               metrics=None, images: dict | None = None) -> FastAPI:
+    """The ASGI app. ``context`` = cache positions per slot (prompt + completion must fit).
+    ``images``: a vision model's image settings (``pcfg``, ``pad_id``, ``domains``, ``max_bytes``,
+    ``timeout``); None = text only (an image part is a 400)."""
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, openapi_url=None)
     grammar = toolcalls.Grammar.of(tokenizer)
     max_n = engine.stats()["slots"]       # n may ask for up to every slot (serve_max_batch)
@@ -125,7 +131,9 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         if choice in ("required", "named") and grammar is None:
             raise proto.ApiError(400, f"tool_choice={body.tool_choice!r}: this model's tokenizer has no tool-call "
                                  "markup", param="tool_choice")
-        ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body))
+        items = await _images(body.messages)
+        ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body),
+                           media=[it.prompt for it in items] if items else None)
         forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
             grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
                                                   if isinstance(m, dict) and m.get("role") == "assistant"))
@@ -142,12 +150,32 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         n = proto.max_tokens(want, len(ids), context, default=None, param=param)
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
-        return await _serve(request, body, [ids], n, out, parse)
+        media = (tuple(items), mediaio.media_keys(ids, items, images["pad_id"])) if items else None
+        return await _serve(request, body, [ids], n, out, parse, media=media)
 
-    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True) -> list[int]:
+    async def _images(messages) -> list:
+        """The request's images, fetched and processed off the event loop ([] without image parts)."""
+        urls = mediaio.image_urls(messages)
+        if not urls:
+            return []
+        if images is None:
+            raise proto.ApiError(400, f"messages: {len(urls)} image part(s), but this model has no vision tower "
+                                 "(vision_enabled=false); send text only", param="messages", code="images_not_supported")
+        if getattr(getattr(engine, "link", None), "multi", False):
+            raise proto.ApiError(400, "messages: images are served by a single-process server only; this one runs "
+                                 "as several processes", param="messages", code="images_not_supported")
+        items = await asyncio.to_thread(mediaio.load_images, urls, images["pcfg"], domains=images["domains"],
+                                        max_bytes=images["max_bytes"], timeout=images["timeout"])
+        if not engine.p.fits(items):
+            raise proto.ApiError(400, f"messages: the images make {sum(len(it.patches) for it in items)} patches, "
+                                 f"over the {engine.p.patch_buckets[-1]} the server compiled for (vision_patch_buckets); "
+                                 "send fewer or smaller images", param="messages", code="images_too_large")
+        return items
+
+    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True, media=None) -> list[int]:
         try:
             return chat_ids(tokenizer, messages, tools=tools, template_kwargs=kwargs,
-                            add_generation_prompt=add_generation_prompt)
+                            add_generation_prompt=add_generation_prompt, media=media)
         except (ValueError, KeyError, TypeError) as e:
             raise proto.ApiError(400, f"messages: {e}", param="messages") from None
 
@@ -186,10 +214,12 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                 "special_tokens": tokenizer.special_ids, "chat_template": getattr(tokenizer, "chat_template", None)}
 
     async def _serve(http: HttpRequest, body, prompts: list[list[int]], n: int, out: proto.Body,
-                     parse: dict | None = None, echo: tuple[list[str], int | None] | None = None):
+                     parse: dict | None = None, echo: tuple[list[str], int | None] | None = None,
+                     media: tuple | None = None):
         """Submit the request (per prompt its n choices: the first with the others as its copies; choice
         i of prompt p has index p * n + i, as in OpenAI's API) and answer. ``echo``: (each prompt's text,
-        the logprobs to score the prompts' tokens with, or None)."""
+        the logprobs to score the prompts' tokens with, or None). ``media``: (the processed images, their
+        prefix cache keys) of a chat prompt with images."""
         s = proto.sampling(body, max_n)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()     # (choice index, Event)
@@ -198,6 +228,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                         top_k=s["top_k"], seed=proto.copy_seed(s["seed"], j % s["n"]), stop=s["stop"],
                         logprobs=out.logprobs, id=out.id if total == 1 else f"{out.id}-{j}", ignore_eos=s["ignore_eos"],
                         prompt_logprobs=echo[1] if echo is not None else None,
+                        images=media[0] if media else (), media=media[1] if media else (),
                         sink=lambda ev, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, ev)))
                 for j in range(total)]
         groups = [reqs[p:p + s["n"]] for p in range(0, total, s["n"])]

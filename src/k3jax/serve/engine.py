@@ -5,7 +5,10 @@ The scheduler loop, one iteration at a time:
 1. drop cancelled requests (a client that went away) and free their slots (``reset``);
 2. move queued requests into free slots (a request with n choices takes n slots at once); with a
    prefix cache, restore into the slot the longest cached prefix of each new prompt
-   (``prefix_cache``), which then prefills only the rest;
+   (``prefix_cache``, keyed by token ids and image digests), which then prefills only the rest; a
+   request with images whose pads are not all restored runs the vision tower on its images
+   (``Programs.vision``: per request, since prefill takes one request at a time) and its chunks
+   splice the rows in (``prefill_media``) until its prefill ends, which frees them;
 3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
    long prompt advances a chunk per iteration, between decode steps, so it never stalls the
    requests that are generating; its last chunk yields its first token; the chunk that ends the
@@ -76,11 +79,13 @@ class Request:
     id: str = ""
     ignore_eos: bool = False                  # stop tokens do not end it (fixed-length benchmarks)
     media: tuple = ()                         # (token position, content digest) per media item: prefix cache keys
+    images: tuple = ()                        # processed images (vision_processor.MediaItem), pads in prompt
     prompt_logprobs: int | None = None        # echo: alternatives per prompt token (None = not scored)
     copies: list = dataclasses.field(default_factory=list)   # n > 1: the other choices (they share r's prefill)
     # engine state
     slot: int = -1
     prefilled: int = 0
+    media_id: int = -1                        # id of its image rows in Programs.media while it prefills
     reused: int = 0                           # prompt tokens restored from the prefix cache
     waiting: bool = False                     # a copy whose leader has not finished its prefill
     prompt_entries: list = dataclasses.field(default_factory=list)
@@ -108,6 +113,9 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._media_ids = itertools.count()
+        self._media_freed: list[int] = []      # rows of requests dropped mid-prefill
+        self.tower_runs = 0                    # requests whose images went through the tower
         self.iteration = 0
         # (iteration, request ids active in that iteration's decode step) and (iteration, request
         # id) for each first token: how tests see that a request joined a running batch.
@@ -194,8 +202,11 @@ class Engine:
         self.iteration += 1
         for slot in freed:
             self._run_step(Step.reset(slot))
+        while self._media_freed:
+            self._run_step(Step.ints("drop_media", self._media_freed.pop()))
         for r in admitted:
             self._restore(r)
+            self._start_media(r)
             self._start_copies(r)
         prefilling = [r for r in self.slots if r is not None and not r.waiting and r.prefilled < self._end(r)]
         decoding = [r for r in self.slots if r is not None and not r.waiting and r.prefilled >= self._end(r)]
@@ -213,6 +224,9 @@ class Engine:
         freed = []
         for i, r in enumerate(self.slots):
             if r is not None and (r.cancelled or r.done):
+                if r.media_id >= 0:
+                    self._media_freed.append(r.media_id)
+                    r.media_id = -1
                 if not r.done:
                     self._finish(r, "cancelled")
                     for c in r.copies:      # copies that never started go with their leader
@@ -263,6 +277,17 @@ class Engine:
         if self.metrics is not None:
             self.metrics.prefix_lookup(r.reused)
 
+    def _start_media(self, r: Request) -> None:
+        """Run the tower on r's images unless the prefix cache restored every pad."""
+        if not r.images or self._pads(r)[-1] < r.prefilled:
+            return
+        r.media_id = next(self._media_ids)
+        self.p.vision(r.media_id, r.images)     # process 0 only: a pod refuses images (pod.py)
+        self.tower_runs += 1
+
+    def _pads(self, r: Request) -> np.ndarray:
+        return np.flatnonzero(np.asarray(r.prompt) == self.p.media_pad)
+
     def _save_prefix(self, r: Request) -> None:
         """r's prefill just ended a chunk: if that is where its prompt's entry goes, save it."""
         if self.prefix is None or r.prefilled != self.prefix.usable_blocks(len(r.prompt)) * self.prefix.block:
@@ -284,7 +309,10 @@ class Engine:
     def _prefill_chunk(self, r: Request) -> None:
         start = r.prefilled
         piece = r.prompt[start:min(start + self.chunk, self._end(r))]
-        if r.prompt_logprobs is None:
+        if r.media_id >= 0:       # the k-th pad of the prompt takes row k of its image rows
+            first = int(np.searchsorted(self._pads(r), start))
+            out = self._run_step(Step.prefill_media(r.slot, piece, start, *self._sampling(r), r.media_id, first))
+        elif r.prompt_logprobs is None:
             out = self._run_step(Step.prefill(r.slot, piece, start, *self._sampling(r)))
         else:
             targets = r.prompt[start + 1:start + len(piece) + 1]
@@ -295,6 +323,9 @@ class Engine:
         self._save_prefix(r)
         if r.prefilled < self._end(r):
             return
+        if r.media_id >= 0:
+            self._run_step(Step.ints("drop_media", r.media_id))
+            r.media_id = -1
         if r.prompt_logprobs is not None:
             first = {"id": r.prompt[0], "token": self._piece(r.prompt[0]), "logprob": None, "top": None,
                      "bytes": list(self.tok.decode_bytes([r.prompt[0]]))}

@@ -8,6 +8,10 @@ vector of a fixed size (``Wire``), with ``multihost_utils.broadcast_one_to_all``
 inputs in the same order. While idle, process 0 sends a no-op every half second (a follower never
 waits in a collective for long), and a stop when it shuts down.
 
+Images are served by one process only: a request's packed patches are far larger than a step's
+vector, so the tower step (``Programs.vision``) is not broadcast, and a pod answers image requests
+with a 400 (their ``prefill_media`` chunks and ``drop_media`` are wire steps like the others).
+
 In one process the broadcast is the identity, but the engine still sends every step through the
 wire format, so the single-process tests exercise the encoding the pod depends on.
 """
@@ -22,9 +26,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
-         "copy", "prefill_lp")
+         "copy", "prefill_lp", "prefill_media", "drop_media")
 # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
-INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy")
+INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy", "drop_media")
 
 
 @dataclasses.dataclass
@@ -52,6 +56,12 @@ class Step:
                    + (np.asarray(targets, np.int32),))
 
     @classmethod
+    def prefill_media(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first):
+        """A prefill chunk whose image pads take the rows kept as ``key`` from row ``first`` on."""
+        return cls("prefill_media", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter).args
+                   + (int(key), int(first)))
+
+    @classmethod
     def reset(cls, slot):
         return cls("reset", (int(slot),))
 
@@ -73,7 +83,7 @@ class Wire:
 
     def __init__(self, slots: int, max_chunk: int):
         self.b, self.c = slots, max_chunk
-        self.size = 2 + max(8 * slots, 8 + 2 * max_chunk)
+        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk)
 
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
@@ -91,6 +101,13 @@ class Wire:
                          _bits(seed, np.uint32), counter, len(targets)]
             out[10:10 + len(tokens)] = tokens
             out[10 + self.c:10 + self.c + len(targets)] = targets
+        elif step.kind == "prefill_media":
+            slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first = step.args
+            out[1] = len(tokens)
+            out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
+                         _bits(seed, np.uint32), counter, 0]
+            out[10:10 + len(tokens)] = tokens
+            out[10 + self.c:12 + self.c] = [key, first]
         elif step.kind in INT_KINDS:
             out[1] = len(step.args)
             out[2:2 + len(step.args)] = step.args
@@ -111,6 +128,11 @@ class Wire:
             if kind == "prefill":
                 return step
             return Step("prefill_lp", step.args + (arr[10 + self.c:10 + self.c + int(h[7])].copy(),))
+        if kind == "prefill_media":
+            h = arr[2:10]
+            return Step.prefill_media(h[0], arr[10:10 + int(arr[1])], h[1], h[2:3].view(np.float32)[0], h[3],
+                                      h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6],
+                                      arr[10 + self.c], arr[11 + self.c])
         if kind in INT_KINDS:
             return Step.ints(kind, *arr[2:2 + int(arr[1])])
         return Step(kind)

@@ -17,6 +17,13 @@ latent cache region. These programs run on it, each compiled once, ahead of time
 - ``copy``: one slot's rows of every leaf into another (the n copies of a request share its prefill).
 - ``prefill_lp``: ``prefill`` in the largest chunk that also returns every position's
   log-probability of the next prompt token and its top alternatives (completions ``echo``).
+- with images (a vision model, ``media``): ``tower[N]`` runs the vision tower and projector on one
+  request's images packed into N patches, for each N in the patch buckets (``media_buckets``), and
+  keeps the projected rows on device (``self.media``) under an id the engine chooses;
+  ``prefill_media[C]`` is ``prefill[C]`` whose token embeddings take those rows at the chunk's
+  ``<|media_pad|>`` tokens (the chunk's first pad takes row ``first``, the next pad the next row).
+  The engine prefills one request at a time, so the tower runs per request, once, before its first
+  chunk (not batched across requests), and ``drop_media`` frees the rows after its last chunk.
 - with a prefix cache (``prefix_block`` > 0): ``save_block`` / ``load_block`` copy one slot's MLA
   rows of one block out of / into the cache, ``save_state`` / ``load_state`` its KDA recurrent and
   conv state; saved pieces stay on device in ``self.store`` under an id the engine chooses (every
@@ -35,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax.data.vision_processor import VisionInputError, patch_bucket
 from k3jax.sampling import logprobs, sample_rows
 from k3jax.sharding import sharding_for
 
@@ -63,6 +71,19 @@ def decode_buckets(slots: int, given=None) -> list[int]:
     return out + [slots]
 
 
+def media_buckets(pcfg, length: int) -> list[int]:
+    """Patch counts the server compiles the tower for: ``vision_patch_buckets`` if given, else the
+    powers of two from the processor's smallest bucket up to the first that holds ``length`` merged
+    tokens (a request's images cannot fill more than its context)."""
+    if pcfg.patch_buckets:
+        return list(pcfg.patch_buckets)
+    top = length * pcfg.merge * pcfg.merge
+    out = [pcfg.min_bucket]
+    while out[-1] < top:
+        out.append(out[-1] * 2)
+    return out
+
+
 def _is_spec_leaf(x) -> bool:
     return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
 
@@ -79,7 +100,9 @@ class Programs:
     Calls take numpy inputs (the same values on every process) and return numpy outputs.
     """
 
-    def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0):
+    def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0,
+                 media=None):
+        """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only."""
         self.mesh, self.slots, self.length = mesh, slots, length
         self.buckets = prefill_buckets(chunk)
         self.decode_sizes = decode_buckets(slots, decode_sizes)
@@ -123,6 +146,35 @@ class Programs:
                 self._save_state = self._compile(self._save_state_fn, [i32], out=[x.sharding for x in snap])
                 self._load_block = self._compile(self._load_block_fn, [i32, i32], block, out="cache")
                 self._load_state = self._compile(self._load_state_fn, [i32], snap, out="cache")
+        self.media: dict[int, jax.Array] = {}   # projected image rows on device, by the engine's ids
+        self.pcfg, self.media_pad = media if media is not None else (None, None)
+        if media is not None:
+            self._compile_media(model)
+
+    def _compile_media(self, model):
+        from k3jax.multimodal import media_inputs
+        vcfg = model.vision.vision_tower.vcfg
+        self.patch_buckets = media_buckets(self.pcfg, self.length)
+        self.media_rows = self.patch_buckets[-1] // self.pcfg.merge ** 2
+        dtype, d = model.compute_dtype, model.embed_tokens[...].shape[1]
+        feats = jax.ShapeDtypeStruct((self.media_rows, d), dtype, sharding=self.replicated)
+        # the tower's inputs (patches and layout) of the images packed into n patches; the token batch
+        # is only their pads (the rows go to the prompt's pads by order, in prefill_media)
+        self._media_layout = lambda items, n: media_inputs(
+            vcfg, self.pcfg, items, np.full((1, sum(it.tokens for it in items) or 1),
+                                            self.media_pad if items else 0, np.int32), self.media_pad, n)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        self._tower = {}
+        with jax.set_mesh(self.mesh):
+            for n in self.patch_buckets:
+                mi = self._media_layout([], n)
+                inputs = {"patches": mi.patches, **mi.layout}
+                abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.replicated) for k, v in inputs.items()}
+                fn = jax.jit(self._tower_fn, out_shardings=self.replicated)
+                self._tower[n] = fn.lower(state, abstract).compile()
+            i32 = jax.ShapeDtypeStruct((), jnp.int32)
+            self._prefill_media = {c: self._compile(self._prefill_media_fn, self._prefill_args(c) + [i32], [feats])
+                                   for c in self.buckets}
 
     def _piece(self, shape, dtype, axes, ax, block: int = 0):
         """Abstract array of one slot's rows of a cache leaf (``block`` > 0: ``block`` positions)."""
@@ -173,6 +225,35 @@ class Programs:
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
         logits, new = self._model(state).extend(tokens[None], jax.tree.unflatten(self._tdef, row), pos[None],
                                                 length[None])
+        cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
+                 for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
+        tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
+        return (tok, *logprobs(logits, tok, self._k(logits))), cache
+
+    def _tower_fn(self, state, inputs):
+        """One request's packed images -> its projected rows [media_rows, D] (zeros past its count)."""
+        m = self._model(state)
+        feats = m.vision(inputs["patches"], inputs)
+        return jnp.pad(feats.astype(m.compute_dtype), ((0, self.media_rows - feats.shape[0]), (0, 0)))
+
+    def _prefill_media_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
+                          first, feats):
+        """``_prefill_fn`` with image rows at the chunk's pads: the k-th pad of the chunk takes row
+        first + k of ``feats``. ``model.extend`` embeds token ids itself (model.py takes no embedding
+        input), so this program's own merged copy of the model gets an ``embed`` that splices; the
+        copy lives only inside this trace, and every other program embeds as the model does."""
+        m = self._model(state)
+        embed, pad_id = m.embed, self.media_pad
+
+        def embed_with_media(toks):
+            x = embed(toks)
+            is_pad = (toks == pad_id) & (jnp.arange(toks.shape[1]) < length)[None]
+            row = jnp.clip(first + jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[0] - 1)
+            return jnp.where(is_pad[..., None], jnp.take(feats, row, axis=0).astype(x.dtype), x)
+
+        m.embed = embed_with_media
+        row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
+        logits, new = m.extend(tokens[None], jax.tree.unflatten(self._tdef, row), pos[None], length[None])
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
         tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
@@ -303,6 +384,38 @@ class Programs:
             (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32))]
         out, self.cache = self._prefill[c](self.state, self.cache, *args)
         return tuple(self._get(o)[0] for o in out)
+
+    def vision(self, key: int, items):
+        """Run the tower on one request's images (``MediaItem``s) and keep their rows as ``key``. Over
+        the largest patch bucket is a VisionInputError (the HTTP layer checks first: ``fits``)."""
+        n = sum(len(it.patches) for it in items)
+        if not self.fits(items):
+            raise VisionInputError(f"the images make {n} patches, over the largest compiled bucket "
+                                   f"{self.patch_buckets[-1]}")
+        mi = self._media_layout(list(items), patch_bucket(n, self.pcfg))
+        inputs = {k: self._put(v) for k, v in {"patches": mi.patches, **mi.layout}.items()}
+        self.media[key] = self._tower[len(mi.patches)](self.state, inputs)
+
+    def fits(self, items) -> bool:
+        """The images' packed patches fit a compiled tower bucket."""
+        n = sum(len(it.patches) for it in items)
+        return n <= self.patch_buckets[-1] and patch_bucket(n, self.pcfg) in self._tower
+
+    def prefill_media(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first):
+        """``prefill`` of a chunk holding image pads: pad k of the chunk takes row first + k of the
+        rows ``vision`` kept as ``key``."""
+        n = len(tokens)
+        c = next(b for b in self.buckets if b >= n)
+        padded = np.zeros(c, np.int32)
+        padded[:n] = tokens
+        args = [self._put(np.asarray(v, dt)) for v, dt in (
+            (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
+            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (first, np.int32))]
+        out, self.cache = self._prefill_media[c](self.state, self.cache, *args, self.media[key])
+        return tuple(self._get(o)[0] for o in out)
+
+    def drop_media(self, key: int):
+        self.media.pop(key, None)
 
     def prefill_lp(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
         """``prefill`` in the largest chunk bucket that also returns, per token of the chunk, the
