@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 import yaml
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax import config as C
 from k3jax import counts, paths
@@ -54,7 +55,7 @@ def train(cfg, *, on_step=None) -> dict:
     feed = host_feed(mesh, gb, cfg.train.max_target_length)   # this process's rows and sequence slices
     if jax.process_count() > 1:
         print(feed.describe(), flush=True)
-    data = data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)   # opens the files, checks records
+    data = _data(cfg, gb, tok, feed)   # opens the files, checks records
     if cfg.eval.eval_dataset_path:
         check_eval_data(cfg, tok)
     ckpt = last = None
@@ -76,7 +77,7 @@ def train(cfg, *, on_step=None) -> dict:
     else:
         gdef, state, tx = init_state(cfg, mesh, optimizer=True)
     start = last or 0
-    step_fn = compile_train_step(cfg, gdef, tx, state, mesh, gb)
+    step_fn = MediaSteps(cfg, gdef, tx, state) if _mm(cfg) else compile_train_step(cfg, gdef, tx, state, mesh, gb)
     sync_processes("compiled the train step")
     evaluator = Evaluator(cfg, mesh, gdef, tok) if cfg.eval.eval_dataset_path else None
     console = Console(cfg, num_devices=n_dev, start_step=start, tokens_per_step=float(gb * cfg.train.max_target_length),
@@ -98,10 +99,12 @@ def train(cfg, *, on_step=None) -> dict:
                 _data_ran_out(cfg, step, start, ckpt, state, data, console)
                 break
             profiler.before(step)
-            batch = feed.put(raw)
+            batch = put_batch(feed, mesh, raw)
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, batch)
             m = jax.device_get(m)
+            if isinstance(step_fn, MediaSteps):   # a new patch bucket compiled: not step time
+                t_last += step_fn.take_compile_s()
             profiler.after(step)
             if not bool(m["finite"]) and cfg.train.nan_policy == "stop":
                 raise TrainingError(f"non-finite loss at step {step + 1} (loss={float(m['loss'])}, grad_norm="
@@ -111,7 +114,7 @@ def train(cfg, *, on_step=None) -> dict:
             rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)))
             stats = getattr(data, "stats", None)
             if stats is not None:   # records read so far (the reader runs a little ahead of the steps)
-                rec.update(records_read=stats.records, bad_records=stats.bad_utf8 + stats.bad_json + stats.bad_record,
+                rec.update(records_read=stats.records, bad_records=stats.bad,
                            empty_records=stats.empty)
             if evaluator and evaluator.due(step + 1):
                 rec.update(evaluator.run(state))
@@ -140,6 +143,58 @@ def train(cfg, *, on_step=None) -> dict:
     if preempted is None:
         _report_sft_fitting(cfg, data)
     return {"history": history, "state": state, "run_dir": run_dir, "preempted": preempted}
+
+
+def _mm(cfg) -> bool:
+    return cfg.data.dataset_type == "mm_sft"
+
+
+def _data(cfg, gb: int, tok, feed):
+    """The batch iterator of this process's data shard (``step.data_iterator``; image
+    conversations through ``k3jax.data.mm_sft``, whose batches carry ``"media"``)."""
+    if not _mm(cfg):
+        return data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
+    if feed.num_shards > 1 or jax.process_count() > 1:
+        raise C.ConfigError(f"dataset_type=mm_sft runs in one process for now (its packed media are one array "
+                            f"every device gets whole), but this run has {jax.process_count()} processes; train "
+                            f"on one host")
+    from k3jax.data import mm_sft
+    return mm_sft.data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
+
+
+def put_batch(feed, mesh, raw: dict) -> dict:
+    """A host batch onto the devices: the [rows, T] arrays by ``feed.put``; ``"media"`` (mm_sft:
+    ``MediaInputs`` arrays, shaped by the patch bucket, not by rows) replicated on every device."""
+    media = raw.get("media")
+    batch = feed.put({k: v for k, v in raw.items() if k != "media"})
+    if media is not None:
+        rep = NamedSharding(mesh, PartitionSpec())
+        batch["media"] = {k: jax.device_put(np.asarray(v), rep) for k, v in media.items()}
+    return batch
+
+
+class MediaSteps:
+    """mm_sft: the train step compiled for each patch bucket when its first batch comes (a few
+    shapes: ``vision_patch_buckets``), each compile reported like the text step's."""
+
+    def __init__(self, cfg, gdef, tx, state):
+        self.jitted = jit_train_step(cfg, gdef, tx, state)
+        self.programs: dict = {}
+        self.compile_s = 0.0
+
+    def __call__(self, state, batch):
+        key = tuple((k, v.shape) for k, v in sorted(batch["media"].items()))
+        prog = self.programs.get(key)
+        if prog is None:
+            t0 = time.perf_counter()
+            n = batch["media"]["patches"].shape[0]
+            prog = self.programs[key] = timed_compile(f"train step for {n} image patches", self.jitted, state, batch)
+            self.compile_s += time.perf_counter() - t0
+        return prog(state, batch)
+
+    def take_compile_s(self) -> float:
+        s, self.compile_s = self.compile_s, 0.0
+        return s
 
 
 def _skip_batches(data, step: int, saved_counts: list[int], saved_shards, shards) -> None:

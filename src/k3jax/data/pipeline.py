@@ -38,7 +38,7 @@ from k3jax.data.tokenizer import KimiTokenizer
 
 logger = logging.getLogger(__name__)
 
-DATASET_TYPES = ("synthetic", "jsonl", "parquet", "arrayrecord", "sft")
+DATASET_TYPES = ("synthetic", "jsonl", "parquet", "arrayrecord", "sft", "mm_sft")
 BAD_DATA_POLICIES = ("skip", "fatal")
 
 
@@ -56,6 +56,7 @@ class PipelineStats:
     bad_utf8: int = 0         # undecodable UTF-8
     bad_json: int = 0         # invalid JSON
     bad_record: int = 0       # valid JSON of the wrong shape (missing key, bad messages, ...)
+    bad_image: int = 0        # mm_sft: a missing or unreadable image, or too many patches
     split_docs: int = 0       # documents longer than seq_len, split into pieces
     pieces: int = 0           # pieces emitted to packing
     dropped_pieces: int = 0   # pieces with no prediction target (e.g. a 1-token tail)
@@ -70,15 +71,20 @@ class PipelineStats:
                 setattr(self, k, getattr(self, k) + v)
 
     @property
+    def bad(self) -> int:
+        """Malformed records (what ``bad_data_max_fraction`` bounds)."""
+        return self.bad_utf8 + self.bad_json + self.bad_record + self.bad_image
+
+    @property
     def skipped(self) -> int:
         """Records dropped for any reason (empty or bad)."""
-        return self.empty + self.bad_utf8 + self.bad_json + self.bad_record
+        return self.empty + self.bad
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:
             d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if not f.name.startswith("_")}
-        d["skipped"] = d["empty"] + d["bad_utf8"] + d["bad_json"] + d["bad_record"]
+        d["skipped"] = d["empty"] + d["bad_utf8"] + d["bad_json"] + d["bad_record"] + d["bad_image"]
         return d
 
     def __getstate__(self):
@@ -214,7 +220,7 @@ class ParseDocument:
         """The skip policy: the first MAX_WARNINGS bad records are logged with file:line, later ones
         only counted (``bad_records`` in the metrics); too large a bad fraction stops the run."""
         st = self.stats
-        bad, records = st.bad_utf8 + st.bad_json + st.bad_record, st.records
+        bad, records = st.bad, st.records
         if bad <= MAX_WARNINGS:
             logger.warning("skipping bad record at %s: %s", where, why)
         if bad == MAX_WARNINGS:
@@ -247,7 +253,7 @@ def check_records(ds, parse: ParseDocument, n: int, max_bad_fraction: float, wha
                 raise DataError(f"{where}: {e}") from None
             bad += 1
             first = first or f"{where}: {e}"
-    hint = f"check text_key={parse.text_key!r}" if parse.dataset_type != "sft" else \
+    hint = f"check text_key={parse.text_key!r}" if parse.dataset_type not in ("sft", "mm_sft") else \
         f"check sft_format={parse.sft_format}"
     if docs == 0:
         raise DataError(f"{first + ': ' if first else ''}none of the first {k} records of {what} gives a document "
@@ -370,7 +376,7 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
                  num_packing_bins: int = 16,
                  read_threads: int = 2, prefetch: int = 64,
                  synthetic_len: tuple[int, int] | None = None,
-                 check_records_first: int = 0, max_bad_fraction: float = 1.0
+                 check_records_first: int = 0, max_bad_fraction: float = 1.0, **mm_options: Any
                  ) -> tuple[grain.IterDataset, PipelineStats]:
     """Build the grain `IterDataset` of packed batches and its stats (see `make_pipeline`)."""
     if dataset_type not in DATASET_TYPES:
@@ -392,6 +398,15 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if dataset_type == "mm_sft":   # image conversations: k3jax.data.mm_sft (needs options vcfg, pcfg)
+        from k3jax.data import mm_sft
+        return mm_sft.make_dataset(paths=paths, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
+                                   seed=seed, shuffle=shuffle, process_index=process_index,
+                                   process_count=process_count, bad_data=bad_data, num_epochs=num_epochs,
+                                   sft_overlong=sft_overlong, sft_default_system=sft_default_system,
+                                   read_threads=read_threads, prefetch=prefetch,
+                                   check_records_first=check_records_first, max_bad_fraction=max_bad_fraction,
+                                   **mm_options)
 
     stats = PipelineStats()
     src = _source(dataset_type, paths, text_key=text_key, vocab_size=vocab_size, seed=seed,
@@ -431,7 +446,8 @@ def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeni
     """Packed-batch iterator for training.
 
     Args:
-      dataset_type: "synthetic" | "jsonl" | "parquet" | "arrayrecord" | "sft".
+      dataset_type: "synthetic" | "jsonl" | "parquet" | "arrayrecord" | "sft" | "mm_sft" (image
+        conversations, `k3jax.data.mm_sft`; options vcfg, pcfg, image_root).
       paths: comma-separated globs of input files (None for synthetic).
       tokenizer: a `KimiTokenizer` (unused for synthetic).
       seq_len, batch_size: T and the PER-HOST B of every batch.
