@@ -5,14 +5,15 @@ The scheduler loop, one iteration at a time:
 1. drop cancelled requests (a client that went away) and free their slots (``reset``);
 2. move queued requests into free slots (a request with n choices takes n slots at once); with a
    prefix cache, restore into the slot the longest cached prefix of each new prompt
-   (``prefix_cache``, keyed by token ids and image digests), which then prefills only the rest; a
-   request with images whose pads are not all restored runs the vision tower on its images
-   (``Programs.vision``: per request, since prefill takes one request at a time) and its chunks
-   splice the rows in (``prefill_media``) until its prefill ends, which frees them;
+   (``prefix_cache``, keyed by token ids and image digests), which then prefills only the rest;
 3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
    long prompt advances a chunk per iteration, between decode steps, so it never stalls the
    requests that are generating; its last chunk yields its first token; the chunk that ends the
-   prompt's last full block before its last token saves the prefix into the cache;
+   prompt's last full block before its last token saves the prefix into the cache. Before the
+   first chunk of a request with images whose pads the cache did not restore, the vision tower runs
+   on its images (``Programs.vision``: per request, since prefill takes one request at a time, so
+   one request's rows are on the device at a time); its chunks splice the rows in
+   (``prefill_media``) and its last chunk frees them;
 4. one decode step for every generating slot at once (``Programs.decode``, in the smallest
    compiled decode bucket that holds them); the new request joins it at the next iteration.
 
@@ -85,7 +86,7 @@ class Request:
     # engine state
     slot: int = -1
     prefilled: int = 0
-    media_id: int = -1                        # id of its image rows in Programs.media while it prefills
+    media_id: int = -1                        # its image rows in Programs.media: -1 not yet, -2 done or not needed
     reused: int = 0                           # prompt tokens restored from the prefix cache
     waiting: bool = False                     # a copy whose leader has not finished its prefill
     prompt_entries: list = dataclasses.field(default_factory=list)
@@ -206,7 +207,6 @@ class Engine:
             self._run_step(Step.ints("drop_media", self._media_freed.pop()))
         for r in admitted:
             self._restore(r)
-            self._start_media(r)
             self._start_copies(r)
         prefilling = [r for r in self.slots if r is not None and not r.waiting and r.prefilled < self._end(r)]
         decoding = [r for r in self.slots if r is not None and not r.waiting and r.prefilled >= self._end(r)]
@@ -226,7 +226,7 @@ class Engine:
             if r is not None and (r.cancelled or r.done):
                 if r.media_id >= 0:
                     self._media_freed.append(r.media_id)
-                    r.media_id = -1
+                    r.media_id = -2
                 if not r.done:
                     self._finish(r, "cancelled")
                     for c in r.copies:      # copies that never started go with their leader
@@ -279,7 +279,8 @@ class Engine:
 
     def _start_media(self, r: Request) -> None:
         """Run the tower on r's images unless the prefix cache restored every pad."""
-        if not r.images or self._pads(r)[-1] < r.prefilled:
+        if self._pads(r)[-1] < r.prefilled:
+            r.media_id = -2
             return
         r.media_id = next(self._media_ids)
         self.p.vision(r.media_id, r.images)     # process 0 only: a pod refuses images (pod.py)
@@ -309,6 +310,8 @@ class Engine:
     def _prefill_chunk(self, r: Request) -> None:
         start = r.prefilled
         piece = r.prompt[start:min(start + self.chunk, self._end(r))]
+        if r.images and r.media_id == -1:
+            self._start_media(r)
         if r.media_id >= 0:       # the k-th pad of the prompt takes row k of its image rows
             first = int(np.searchsorted(self._pads(r), start))
             out = self._run_step(Step.prefill_media(r.slot, piece, start, *self._sampling(r), r.media_id, first))
@@ -325,7 +328,7 @@ class Engine:
             return
         if r.media_id >= 0:
             self._run_step(Step.ints("drop_media", r.media_id))
-            r.media_id = -1
+            r.media_id = -2
         if r.prompt_logprobs is not None:
             first = {"id": r.prompt[0], "token": self._piece(r.prompt[0]), "logprob": None, "top": None,
                      "bytes": list(self.tok.decode_bytes([r.prompt[0]]))}
