@@ -163,6 +163,12 @@ def test_grouped_media_equal_the_flat_packing_and_a_frozen_tower_stays_put():
     fg, ff = enc(model.vision, grouped["patches"], grouped), enc(model.vision, flat["patches"], flat)
     assert fg.shape[0] == b
     np.testing.assert_allclose(np.asarray(fg)[:, 0], np.asarray(ff)[:b], rtol=1e-5, atol=1e-6)
+    from k3jax.sharding import make_mesh
+    mesh = make_mesh(C.override(cfg, {"ici_fsdp_parallelism": 2}), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):   # on a mesh the groups are split over the batch axes (shard_map)
+        fm = enc(model.vision, grouped["patches"], grouped)
+        assert "shard_map" in str(jax.make_jaxpr(lambda v, x, lay: v(x, lay))(model.vision, grouped["patches"], grouped))
+    np.testing.assert_allclose(np.asarray(fm), np.asarray(fg), rtol=1e-5, atol=1e-6)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, cfg.model.hidden_size)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(splice(x, fg, grouped["slots"])), np.asarray(splice(x, ff, flat["slots"])))
 
