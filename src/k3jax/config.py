@@ -111,6 +111,8 @@ ALIASES = {
     "learning_rate_final_fraction": "lr_final_fraction",
     "num_experts_per_tok": "num_experts_per_token",
     "data_shuffle_seed": "data_seed",
+    "ici_pipeline_parallelism": "ici_stage_parallelism",
+    "dcn_pipeline_parallelism": "dcn_stage_parallelism",
 }
 # MaxText's decode_sampling_strategy values: every strategy but greedy samples; which tokens are
 # eligible is then set by top_k / top_p (decode_sampling_top_k / decode_sampling_nucleus_p).

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config import MESH_AXES, VOCAB_PARALLEL_AXES, Config, mesh_shape  # noqa: F401 - re-exported
+from k3jax.validation import stage_sizes
 
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated).
@@ -82,8 +83,34 @@ def logical_to_spec(names: Sequence[str | None], rules: dict | None = None) -> P
     return P(*out)
 
 
+# Pipeline stages (k3jax.stages): the outermost mesh axis, present only when its size is > 1, so
+# the rules above and every mesh without a pipeline are unchanged. Outside the pipeline it leads the
+# rows of the batch (embedding, unrolled layers and loss run data-parallel over it); inside, where
+# the pipeline's shard_map holds it manual, rows split as the rules say. The scan-stacked
+# ``layers`` axis of parameters is split over it (each stage holds its own periods).
+STAGE_AXIS = "stage"
+
+
+def _stage_auto(mesh) -> bool:
+    """Whether ``mesh`` has a stage axis that GSPMD places (not manual inside the pipeline)."""
+    if mesh.shape.get(STAGE_AXIS, 1) == 1:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(STAGE_AXIS)] != jax.sharding.AxisType.Manual
+
+
+def _with_stage(spec: P, names: Sequence[str | None], mesh) -> P:
+    """``spec`` with the stage axis leading the rows of a ``batch`` dimension (see STAGE_AXIS)."""
+    if "batch" not in names or not _stage_auto(mesh):
+        return spec
+    entries = list(tuple(spec) + (None,) * (len(names) - len(spec)))
+    i = list(names).index("batch")
+    rows = (entries[i],) if isinstance(entries[i], str) else tuple(entries[i] or ())
+    entries[i] = (STAGE_AXIS, *rows)
+    return P(*entries)
+
+
 def logical_sharding(mesh: Mesh, names: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(names))
+    return NamedSharding(mesh, _with_stage(logical_to_spec(names), names, mesh))
 
 
 def _fits(shape: Sequence[int], spec: P, mesh: Mesh) -> P:
@@ -105,7 +132,7 @@ def sharding_for(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]) 
     """NamedSharding for an array of ``shape`` with logical ``names`` (divisibility-checked)."""
     if len(names) != len(shape):
         raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
-    return NamedSharding(mesh, _fits(shape, logical_to_spec(names), mesh))
+    return NamedSharding(mesh, _fits(shape, _with_stage(logical_to_spec(names), names, mesh), mesh))
 
 
 # Mesh axes that hold distinct parameter shards (ZeRO-3 style). Weights are all-gathered for
@@ -155,6 +182,9 @@ def param_sharding(mesh: Mesh, shape: Sequence[int], names: Sequence[str | None]
                     spec[i] += (ax,)
                     used.add(ax)
                     break
+    stages = mesh.shape.get(STAGE_AXIS, 1)
+    if names and names[0] == "layers" and stages > 1 and shape[0] % stages == 0:
+        spec[0] = (STAGE_AXIS,)    # a pipeline stage holds its own periods (k3jax.stages)
     entries = [None if not a else a[0] if len(a) == 1 else a for a in spec]
     return NamedSharding(mesh, P(*entries))
 
@@ -164,7 +194,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = _fits(x.shape, logical_to_spec(names), mesh)
+    spec = _fits(x.shape, _with_stage(logical_to_spec(names), names, mesh), mesh)
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -173,11 +203,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
-    """Build the (data, fsdp, context, expert, tensor) mesh for ``devices`` (default: all devices)."""
+    """Build the (data, fsdp, context, expert, tensor) mesh for ``devices`` (default: all devices),
+    led by the ``stage`` axis when the pipeline has more than one stage."""
     devices = list(jax.devices() if devices is None else devices)
     num_slices = len({getattr(d, "slice_index", 0) for d in devices})
     ici, dcn = mesh_shape(cfg, len(devices), num_slices)
     names = MESH_AXES
+    ici_stage, dcn_stage = stage_sizes(cfg)
+    if ici_stage * dcn_stage > 1:
+        names = (STAGE_AXIS,) + MESH_AXES
+        ici, dcn = {STAGE_AXIS: ici_stage, **ici}, {STAGE_AXIS: dcn_stage, **dcn}
     if num_slices > 1:
         from jax.experimental import mesh_utils
         arr = mesh_utils.create_hybrid_device_mesh([ici[a] for a in names], [dcn[a] for a in names],
@@ -218,4 +253,4 @@ def maybe_initialize_distributed(cfg: Config) -> None:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))
+    return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
