@@ -1,6 +1,7 @@
 """The bad-data policy: a bad record is skipped with a warning naming file:line (the first few,
 then only counted), the counts reach the metrics, and too much bad data stops the pipeline with
 one DataError, early (the first bad_data_check_records records) or while reading, never a hang."""
+import json
 import logging
 import threading
 
@@ -87,3 +88,39 @@ def test_no_document_in_the_first_records(tok, tmp_path):
     path.write_bytes(b'{"text": "   "}\n' * 50)
     with pytest.raises(DataError, match=r"none of the first 50 records .* \(0 malformed, 50 empty\)"):
         _pipe(tok, path, check_records_first=100, max_bad_fraction=0.5)
+
+
+def test_mm_sft_bad_records_are_counted_and_named(tmp_path, caplog):
+    """dataset_type=mm_sft under the same rule: a missing image, an unreadable one (bad_image) and a
+    marker count that is not the image count (bad_record) are skipped with their path:line, the good
+    records train; under bad_data=fatal the first is one DataError naming its place and file."""
+    from PIL import Image
+
+    from k3jax import config as C
+    from k3jax.data.vision_processor import from_config
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "vision_enabled=true", "vision_patch_buckets=[16]"])
+    Image.new("RGB", (28, 28), (200, 10, 10)).save(tmp_path / "ok.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+
+    def conv(images, text):
+        return {"images": images, "messages": [{"role": "user", "content": text},
+                                               {"role": "assistant", "content": "red"}]}
+    recs = [conv(["ok.png"], "<image>?"), conv(["gone.png"], "<image>?"), conv(["broken.png"], "<image>?"),
+            conv(["ok.png"], "<image> <image>?"), conv(["ok.png"], "<image>!")]
+    path = tmp_path / "mm.json"
+    path.write_text(json.dumps(recs, indent=1))
+    lines = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line == " {"]
+    tok = KimiTokenizer.from_dir(REPO / "data" / "demo" / "tokenizer")
+    kw = dict(dataset_type="mm_sft", paths=str(path), tokenizer=tok, seq_len=64, batch_size=1, seed=0,
+              shuffle=False, process_index=0, process_count=1, num_epochs=1, vcfg=cfg.vision, pcfg=from_config(cfg),
+              read_threads=1, prefetch=4)
+    with caplog.at_level(logging.WARNING, logger="k3jax.data.pipeline"):
+        it = P.make_pipeline(bad_data="skip", **kw)
+        assert len(list(it)) == 2
+    assert (it.stats.bad_image, it.stats.bad_record, it.stats.docs, it.stats.bad) == (2, 1, 2, 3)
+    got = [r.getMessage() for r in caplog.records]
+    assert f"{path}:{lines[1]}: {tmp_path / 'gone.png'}: image file not found" in got[0]
+    assert f"{path}:{lines[2]}: {tmp_path / 'broken.png'}: unreadable image" in got[1]
+    assert f"{path}:{lines[3]}: 2 <image> markers but 1 images" in got[2]
+    with pytest.raises(DataError, match=f"{path}:{lines[1]}: .*gone.png: image file not found"):
+        list(P.make_pipeline(bad_data="fatal", **kw))

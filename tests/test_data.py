@@ -393,3 +393,110 @@ def test_hellaswag_sft_pipeline(tok):
     full, _ = chat_template.render(tok, sft.hellaswag_to_messages(rows[0]),
                                    add_generation_prompt=False)
     assert full[:len(prompt)] == prompt
+
+
+# ---- dataset_type=mm_sft: image conversations (k3jax.data.mm_sft) -----------------------------------
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    """The demo tokenizer (it has the media tokens), the tiny tower's config with one 32-patch
+    bucket, and a directory of images: a.png 28x28 (4 patches), b.png 56x28 (8), c.png 28x28."""
+    from PIL import Image
+
+    from k3jax import config as C
+    from k3jax.data.vision_processor import from_config
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "vocab_size=1024", "vision_enabled=true",
+                                                "vision_patch_buckets=[32]"])
+    root = tmp_path_factory.mktemp("mm")
+    (root / "img").mkdir()
+    rng = np.random.default_rng(0)
+    for name, (w, h) in {"a": (28, 28), "b": (56, 28), "c": (28, 28)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"{name}.png")
+    tokd = os.path.join(os.path.dirname(__file__), "..", "data", "demo", "tokenizer")
+    return collections.namedtuple("MM", "tok vcfg pcfg root")(KimiTokenizer.from_dir(tokd), cfg.vision,
+                                                               from_config(cfg), root)
+
+
+def _conv(images, question, answer):
+    return {"images": images, "messages": [{"role": "user", "content": question},
+                                           {"role": "assistant", "content": answer}]}
+
+
+def _mm_pipe(mm, paths, **kw):
+    args = dict(dataset_type="mm_sft", paths=str(paths), tokenizer=mm.tok, seq_len=64, batch_size=2, seed=0,
+                shuffle=False, process_index=0, process_count=1, bad_data="fatal", num_epochs=1,
+                vcfg=mm.vcfg, pcfg=mm.pcfg, sft_default_system=None, read_threads=1, prefetch=4)
+    return make_pipeline(**{**args, **kw})
+
+
+def test_mm_sft_batches_carry_their_images_in_pad_order(mm):
+    """A JSON list (MindSpeed-MM's layout, paths relative to the file) and a JSONL file read through
+    image_root: one conversation per row, the media of a batch packed in the order of their pads
+    (row-major), patches equal to the processor's, loss only on the answers, shapes fixed by the
+    patch bucket (a text-only batch included)."""
+    from k3jax.data.vision_processor import process_image
+    from k3jax.multimodal import DROP, media_token_ids
+    recs = [_conv(["img/a.png", "img/b.png"], "<image> and <image>: same?", "no"),
+            _conv([], "plain text", "yes"),
+            _conv(["img/c.png"], "what is <image>?", "noise"),
+            _conv([], "more text", "ok")]
+    (mm.root / "list.json").write_text(json.dumps(recs, indent=2))
+    (mm.root / "sub").mkdir(exist_ok=True)
+    (mm.root / "sub" / "lines.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    pad = media_token_ids(mm.tok)[2]
+    for paths, kw in ((mm.root / "list.json", {}), (mm.root / "sub" / "lines.jsonl", {"image_root": str(mm.root)})):
+        batches = list(_mm_pipe(mm, paths, **kw))
+        assert len(batches) == 2
+        first, second = batches
+        check_batch({k: v for k, v in first.items() if k != "media"}, 2, 64)
+        flat = first["tokens"].reshape(-1)
+        where = np.flatnonzero(flat == pad)
+        assert len(where) == 1 + 2                           # a: 1 token, b: 2; c is in the next batch
+        slots = first["media"]["slots"]
+        assert slots.shape == (8,) and slots[:3].tolist() == where.tolist() and (slots[3:] == DROP).all()
+        want = np.concatenate([process_image(mm.root / "img" / f"{n}.png", mm.pcfg).patches for n in "ab"])
+        assert first["media"]["patches"].shape == (32, 588)
+        np.testing.assert_array_equal(first["media"]["patches"][:12], want)
+        assert not first["media"]["patches"][12:].any()
+        assert (second["tokens"] == pad).sum() == 1 and second["media"]["patches"].shape == (32, 588)
+        learned = sorted(learned_targets(mm.tok, batches))
+        assert learned == sorted(f"{a}<|im_end|>" for a in ("no", "yes", "noise", "ok"))
+
+
+def test_mm_sft_overlong_is_cut_only_after_the_images(mm, caplog):
+    """sft_overlong=truncate never cuts through a media run: a conversation whose image ends inside
+    the row is truncated; one whose image would be cut is dropped, counted and logged with path:line."""
+    long_answer = " ".join(["word"] * 60)
+    recs = [_conv(["img/a.png"], "<image>", long_answer),
+            _conv(["img/b.png"], "x " * 40 + "<image>", "short")]
+    (mm.root / "long.json").write_text(json.dumps(recs, indent=1))
+    with caplog.at_level(logging.WARNING, logger="k3jax.data.mm_sft"):
+        it = _mm_pipe(mm, mm.root / "long.json", batch_size=1, seq_len=48)
+        batches = list(it)
+    assert len(batches) == 1 and (batches[0]["tokens"] != 0).sum() == 48
+    assert (it.stats.sft_truncated, it.stats.sft_dropped) == (1, 1)
+    assert any(f"{mm.root / 'long.json'}:" in r.getMessage() and "never cut through an image" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_mm_sft_resumes_the_same_batches(mm):
+    recs = [_conv([f"img/{'ac'[i % 2]}.png"], "<image> #%d" % i, f"answer {i}") for i in range(12)]
+    (mm.root / "resume.json").write_text(json.dumps(recs))
+    it = _mm_pipe(mm, mm.root / "resume.json", shuffle=True, num_epochs=None)
+    next(it)
+    state = it.get_state()
+    want = [next(it) for _ in range(3)]
+    it2 = _mm_pipe(mm, mm.root / "resume.json", shuffle=True, num_epochs=None)
+    it2.set_state(state)
+    for w in want:
+        g = next(it2)
+        np.testing.assert_array_equal(g["tokens"], w["tokens"])
+        np.testing.assert_array_equal(g["media"]["patches"], w["media"]["patches"])
+
+
+def test_mm_sft_image_paths():
+    from k3jax.data.mm_sft import resolve_image
+    assert resolve_image("x/a.jpg", "/data/set/train.json:17", None) == "/data/set/x/a.jpg"
+    assert resolve_image("x/a.jpg", "gs://b/set/train.json:3", None) == "gs://b/set/x/a.jpg"
+    assert resolve_image("x/a.jpg", "/data/set/train.json:1", "gs://b/coco") == "gs://b/coco/x/a.jpg"
+    assert resolve_image("/abs/a.jpg", "/data/t.json:1", "gs://b/coco") == "/abs/a.jpg"

@@ -65,3 +65,25 @@ def test_captions_name_colour_and_shape_of_held_out_images(trained):
     blank_acc = shapes.accuracy(blank_got, want)
     print(f"blank-image control {blank_acc:.0%}: {blank_got[:4]}")
     assert blank_acc <= 1 / 12 + 0.10, list(zip(blank_got, want))
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["vision_enabled=false"], "dataset_type=mm_sft trains on images but vision_enabled=false"),
+    (["gradient_accumulation_steps=2"], "use gradient_accumulation_steps=1"),
+    (["dataset_path={tmp}/none.json"], "no file matches"),
+    (["bad_data=fatal"], "broken.json:2: {tmp}/gone.png: image file not found"),
+])
+def test_mm_sft_mistakes_are_one_line(extra, fragment, tmp_path, capsys):
+    """Each mistake stops ``k3jax.train`` before any compile with one ``error:`` line and exit 2."""
+    import json
+    recs = [{"images": ["gone.png"], "messages": [{"role": "user", "content": "<image>"},
+                                                  {"role": "assistant", "content": "x"}]}]
+    (tmp_path / "broken.json").write_text(json.dumps(recs, indent=1))
+    argv = [str(C.REPO_CONFIGS / "base.yml"), *ARGS, f"dataset_path={tmp_path / 'broken.json'}",
+            f"base_output_directory={tmp_path}", "run_name=r", *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
+    from k3jax.train import main
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert fragment.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]

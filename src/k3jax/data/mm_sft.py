@@ -255,7 +255,7 @@ class Collate:
         mi = media_inputs(self.vcfg, self.pcfg, items, tokens, self.media_ids[2],
                           bucket=patch_bucket(sum(len(it.patches) for it in items), self.pcfg))
         return {"tokens": tokens, "targets": targets, "segment_ids": seg,
-                "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(), "loss_mask": loss,
+                "positions": np.arange(t, dtype=np.int32)[None] * (seg > 0), "loss_mask": loss,
                 "media": {"patches": mi.patches, "slots": mi.slots, **mi.layout}}
 
 
