@@ -236,3 +236,20 @@ def test_prefill_media_step_crosses_the_wire():
     assert got.args[2:] == step.args[2:]
     drop = wire.unpack(wire.pack(Step.ints("drop_media", 7)))
     assert (drop.kind, drop.args) == ("drop_media", (7,))
+
+
+@pytest.mark.parametrize("arg,fragment", [
+    ("serve_image_url_domains=[http://a.example.com]", "without scheme, port or path"),
+    ("serve_image_max_bytes=0", "serve_image_max_bytes=0: must be >= 1"),
+    ("serve_image_fetch_timeout_s=0", "serve_image_fetch_timeout_s=0.0: must be > 0"),
+])
+def test_image_key_mistakes(arg, fragment):
+    with pytest.raises(C.ConfigError, match=fragment.replace("[", r"\[")):
+        C.load(C.REPO_CONFIGS / "base.yml", VISION + [arg])
+
+
+def test_allowed_hosts():
+    from k3jax.serve.media import host_allowed
+    assert host_allowed("img.example.com", [".example.com"]) and host_allowed("Example.COM.", ["example.com"])
+    assert not host_allowed("example.com", [".example.com"]) and not host_allowed("evil-example.com", ["example.com"])
+    assert not host_allowed("127.0.0.1", [])

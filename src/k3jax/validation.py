@@ -211,9 +211,10 @@ def _validate_serve_cache(sv) -> None:
     if not all(isinstance(x, str) and x.strip(".") and "/" not in x and ":" not in x for x in d):
         raise ConfigError(f"serve_image_url_domains={d}: must be host names (e.g. [images.example.com] or "
                           f"[.example.com] for its subdomains), without scheme, port or path")
-    if sv.serve_image_max_bytes < 1 or not sv.serve_image_fetch_timeout_s > 0:
-        raise ConfigError(f"serve_image_max_bytes={sv.serve_image_max_bytes} must be >= 1 and "
-                          f"serve_image_fetch_timeout_s={sv.serve_image_fetch_timeout_s} > 0")
+    if sv.serve_image_max_bytes < 1:
+        raise ConfigError(f"serve_image_max_bytes={sv.serve_image_max_bytes}: must be >= 1 (bytes one image may carry)")
+    if not sv.serve_image_fetch_timeout_s > 0:
+        raise ConfigError(f"serve_image_fetch_timeout_s={sv.serve_image_fetch_timeout_s}: must be > 0 (seconds)")
 
 
 def _validate_decode(d) -> None:
