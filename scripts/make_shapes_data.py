@@ -149,7 +149,8 @@ def score(run_dir: str, data_dir: str, overrides: list[str]) -> int:
     saved = yaml.safe_load((run / "config.yml").read_text())
     keys = {k: saved[k] for k in ("model_name", "vocab_size", "max_target_length") if k in saved}
     model_keys = [k for k in C.KEYS if C.KEYS[k][0] in ("model", "vision")]
-    args = [f"{k}={json.dumps(v)}" for k, v in {**{k: saved[k] for k in model_keys if k in saved}, **keys}.items()]
+    args = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in {**{k: saved[k] for k in model_keys if k in saved}, **keys}.items()]
     cfg = C.load(C.REPO_CONFIGS / "base.yml", args + [f"load_parameters_path={run / 'checkpoints' / str(steps[-1])}",
                                                       f"tokenizer_path={run / 'tokenizer'}", *overrides])
     tok, pcfg, mesh = load_tokenizer(cfg), from_config(cfg), make_mesh(cfg)
@@ -159,8 +160,9 @@ def score(run_dir: str, data_dir: str, overrides: list[str]) -> int:
         paths, want = test_records(data_dir, blank)
         with jax.set_mesh(mesh):
             got = captions(model, tok, pcfg, paths, default_system=system)
-        if not blank:
-            for p, g, w in list(zip(paths, got, want))[:8]:
+        if not blank:   # every 6th held-out image (the set cycles through the 12 labels), then the misses
+            rows = list(zip(paths, got, want))
+            for p, g, w in rows[::6] + [r for r in rows if label_of(r[1]) != label_of(r[2])][:5]:
                 print(f"{os.path.basename(p)}: {g!r} (truth: {w!r})")
         what = "blank images (no shape; chance 1/12)" if blank else "held-out images"
         print(f"{what}: {accuracy(got, want):.0%} of {len(want)} captions name the right colour and shape")
