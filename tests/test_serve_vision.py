@@ -133,8 +133,30 @@ def test_decode_equals_the_server_as_data_uri_and_as_url(vs, capsys):
     decoded = "\n".join(printed[:-1])
     stops = vs.engine.stop_ids
     for url in (data_uri(vs.images["a"]), f"{vs.files}/img/a.png"):
-        ids, _ = ask(vs, [url], max_tokens=6)
+        ids, lp = ask(vs, [url], max_tokens=6)
         assert TEXT + vs.engine.tok.decode([t for t in ids if t not in stops]) == decoded, url[:40]
+        # the first token's log-probabilities equal the whole-prompt forward with the image spliced
+        # (K3Model.hidden(media=)) to 1e-5: the image moves them by ~4e-4, so a missed splice fails
+        want = _forward_logprobs(vs, vs.images["a"])
+        assert max(abs(v - want[t]) for t, v in lp.items()) < 1e-5
+
+
+def _forward_logprobs(vs, data: bytes) -> np.ndarray:
+    """log-softmax of the next token after the chat prompt with this image, by one model forward."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3jax.data.chat_template import chat_ids
+    from k3jax.data.vision_processor import from_config, process_image
+    from k3jax.multimodal import media_inputs
+    pcfg = from_config(vs.cfg)
+    item = process_image(Image.open(io.BytesIO(data)), pcfg)
+    content = [{"type": "image"}, {"type": "text", "text": TEXT}]
+    toks = np.array([chat_ids(vs.engine.tok, [{"role": "user", "content": content}], media=[item.prompt])], np.int32)
+    model = nnx.merge(vs.engine.p.gdef, *vs.engine.p.state)
+    mi = media_inputs(model.vision.vision_tower.vcfg, pcfg, [item], toks, vs.engine.p.media_pad)
+    logits = nnx.jit(lambda m, t, media: m(t, media=media)[0][:, -1])(model, jnp.asarray(toks), mi.arrays())
+    return np.asarray(jax.nn.log_softmax(logits[0]))
 
 
 def test_prefix_cache_keys_on_the_image(vs):
