@@ -12,6 +12,7 @@ expert loads [E], dropped fraction and aux loss. Both mixers return ``(out, aux,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -133,11 +134,16 @@ class Period(nnx.Module):
 
 class K3Model(nnx.Module):
     def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = False,
-                 dtype=jnp.float32, compute_dtype=jnp.float32, vision=None):
+                 dtype=jnp.float32, compute_dtype=jnp.float32, vision=None, stages: int = 1,
+                 microbatches: int = 1):
         """``vision``: a VisionConfig with ``vision_enabled`` adds the tower and projector as
         ``self.vision`` (params["vision"]: the converter's ``CKPT/vision`` tree), built after the
-        text layers; None or disabled leaves the text model and its parameter tree as they are."""
+        text layers; None or disabled leaves the text model and its parameter tree as they are.
+        ``stages`` > 1: the periods run as a pipeline of that many stages with ``microbatches``
+        microbatches (k3jax.stages); their stacked leaves are then held in the stage-major order
+        ``stages.stage_major`` (``build`` puts them so), not in layer order."""
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
+        self.stages, self.microbatches = stages, microbatches
         self.segment_scan = segment_scan
         self.layout: Layout = layout(cfg, scan)
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
@@ -206,7 +212,7 @@ class K3Model(nnx.Module):
             h = res["h"]
         return self.norm(h)
 
-    def _walk(self, res, step, per_site=None, remat: str = "none"):
+    def _walk(self, res, step, per_site=None, remat: str = "none", periods=None):
         """Thread the residual state through every decoder layer in order: the prefix and tail
         unrolled, the periods by ``lax.scan`` over their stacked parameters.
 
@@ -215,7 +221,8 @@ class K3Model(nnx.Module):
         layer's entry of the layout tree ``per_site`` (e.g. its decode cache) or None. Under a
         remat policy every unrolled layer and the scan body are rematerialised (without it the
         prefix/tail activations stay live for the backward: at K3 scale ~8 GB per MoE layer).
-        Returns (res, layout tree of the outs).
+        ``periods(gdef, state, res) -> (res, outs)``, when given, runs the periods instead of the
+        scan (the pipeline, k3jax.stages). Returns (res, layout tree of the outs).
         """
         lay = self.layout
         policy = REMAT_POLICIES[remat]
@@ -256,7 +263,9 @@ class K3Model(nnx.Module):
                 return res, out
 
             runs = self._segment_runs(flags) if per_site is None else None
-            if runs is not None:
+            if periods is not None:
+                res, outs["periods"] = periods(gdef, state, res)
+            elif runs is not None:
                 res, outs["periods"] = self._scan_segments(gdef, state, res, step, runs, remat)
             else:
                 if remat != "none":
@@ -335,9 +344,11 @@ class K3Model(nnx.Module):
 
     # -- sequence forward ------------------------------------------------------------------------
     def hidden(self, tokens, segment_ids=None, positions=None, *, remat: str = "none",
-               compute_aux: bool = False, return_cache: bool = False, media=None):
+               compute_aux: bool = False, return_cache: bool = False, media=None, bubble_fill=0.0):
         """tokens [B,T] -> (final hidden [B,T,D], aux, caches); aux and caches are layout trees
-        (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``."""
+        (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``.
+        ``bubble_fill``: what the pipeline's buffers hold before data reaches them (stages > 1; a
+        test passes NaN to show that bubble iterations change nothing)."""
         b, t = tokens.shape
         segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
@@ -348,7 +359,14 @@ class K3Model(nnx.Module):
                                     **flags)
             return res, (aux, cache)
 
-        res, outs = self._walk(res, step, remat=remat)
+        periods = None
+        if self.stages > 1 and self.layout.num_periods:
+            from k3jax import stages
+            if return_cache:
+                raise ValueError("return_cache with pipeline stages: prefill runs without stages")
+            periods = functools.partial(stages.pipeline_periods, self, segment_ids=segment_ids, positions=positions,
+                                        compute_aux=compute_aux, remat=remat, fill=bubble_fill)
+        res, outs = self._walk(res, step, remat=remat, periods=periods)
         aux = self.layout.map(lambda _, o: o[0], outs)
         caches = self.layout.map(lambda _, o: o[1], outs)
         return self.final_hidden(res), aux, caches
@@ -364,6 +382,7 @@ class K3Model(nnx.Module):
     def cache_spec(self, batch: int, length: int):
         """Layout tree of the decode cache: per leaf (shape, dtype, logical axes)."""
         c = self.cfg
+        self._no_stages()
 
         def one(site: Site):
             shapes = (kda_cache_shapes(c, batch) if c.mixer(site.layer) == "kda"
@@ -373,12 +392,19 @@ class K3Model(nnx.Module):
 
         return self.layout.map(one)
 
+    def _no_stages(self):
+        if self.stages > 1:
+            from k3jax.schema import ConfigError
+            raise ConfigError(f"decode and serve run without pipeline stages, but this model has {self.stages}; set "
+                              f"ici_stage_parallelism=1 dcn_stage_parallelism=1")
+
     def _logits(self, h):
         return jnp.einsum("bd,dv->bv", h, self.head_weight().astype(h.dtype), preferred_element_type=jnp.float32)
 
     def decode_step(self, tokens, cache, pos, start):
         """tokens [B] at cache slot ``pos`` (a scalar for rows aligned by left padding, or [B]: each
         row at its own slot, as in a continuous batch) -> (logits [B,V] f32, new cache)."""
+        self._no_stages()
         res = self._initial_residual(self.embed(tokens[:, None]))
 
         def step(layer, res, flags, c):
@@ -394,6 +420,7 @@ class K3Model(nnx.Module):
         shape. Returns (logits [B,V] f32 after each row's last real token, new cache), the cache
         as if the row's tokens so far had been prefilled in one piece. ``all_positions``: the
         logits of every position instead, [B,T,V] f32 (the server's prompt log-probabilities)."""
+        self._no_stages()
         res = self._initial_residual(self.embed(tokens))
 
         def step(layer, res, flags, c):
@@ -421,9 +448,11 @@ def _sampler(cfg, seed: int):
 
 
 def _construct(cfg, rngs):
+    from k3jax.validation import num_stages, pipeline_microbatches
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
-                   compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None))
+                   compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None),
+                   stages=num_stages(cfg), microbatches=pipeline_microbatches(cfg))
 
 
 def text_only(cfg):
@@ -436,8 +465,14 @@ def text_only(cfg):
 
 def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
     """Construct the model from a full Config (dtypes, scan flag and kernels from its sections).
-    An int seed picks the sampler by size (see ``_sampler``); an nnx.Rngs uses per-leaf keys."""
-    return _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
+    An int seed picks the sampler by size (see ``_sampler``); an nnx.Rngs uses per-leaf keys.
+    With pipeline stages the periods are drawn in layer order (the same values as without stages)
+    and then put in the stage-major order the pipeline holds them in (k3jax.stages)."""
+    model = _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
+    if model.stages > 1 and model.layout.num_periods:
+        from k3jax import stages
+        nnx.update(model.periods, stages.to_stage_major(nnx.state(model.periods), model.stages))
+    return model
 
 
 def count_params(state) -> int:

@@ -1,0 +1,215 @@
+"""Pipeline parallelism: the scanned layer periods as a circular SPMD pipeline over the ``stage`` mesh axis.
+
+Schedule (the "circular" pipeline of MaxText and praxis, one period per stage per visit): with S
+stages, P scanned periods and R = P / S repeats, period p = r*S + s runs on stage s at its r-th
+visit. The B rows of a batch split into M microbatches (M a multiple of S); microbatch m is the rows
+b with b % M == m, so every device's contiguous rows hold an equal share of each microbatch. At
+iteration t stage s works on k = t - s, valid while 0 <= k < M*R: microbatch k % M at repeat k // M.
+After each iteration every stage hands its output to the next (one collective-permute s -> s+1 mod
+S). Stage 0 takes a fresh microbatch on repeat 0 and, later, the microbatch the last stage handed
+back, kept in a circular store of M slots: what arrives at iteration t is microbatch (t - S) mod M,
+read again at iteration t + M - S. M*R + S - 1 iterations; the bubble is (S-1) / (M*R + S - 1).
+
+What crosses a stage boundary is one microbatch's residual state without its block count: the
+AttnRes block buffer [NB, mb, T, D] and the partial sum [mb, T, D] (without AttnRes, the hidden
+state [mb, T, D]). The block count n and the per-layer block-start flags follow from the period
+number (static tables), so blocks may start anywhere, mid-period and across stages. Segment ids and
+positions are indexed per stage from their [M, mb, T] copies, not sent. The embedding, the unrolled
+prefix and tail layers, the output mix and the loss run outside, data-parallel over ``stage``.
+
+Parameters: the periods' stacked leaves are held stage-major (``stage_major``: memory index s*R + r
+holds period r*S + s), so splitting the stacked axis over ``stage`` (k3jax.sharding.param_sharding)
+gives each stage its own periods in visit order, and nothing but activations crosses stages. The
+side outputs come back in the same order, so QK-clip and the router-bias update stay elementwise.
+``to_canonical`` / ``to_stage_major`` convert to and from layer order (what a checkpoint stores).
+
+Bubbles: an iteration outside the schedule computes on zeros (its input is replaced, so nothing the
+buffers held reaches the layers: not even NaN) and its side outputs are masked: MLA max logits by
+-inf, expert loads and the other entries by 0. Per period, max logits are the max over microbatches,
+loads their sum, other entries (dropped fraction, aux loss) their mean, as under gradient
+accumulation (k3jax.step). Outputs are read only from valid iterations.
+
+Implementation: one ``jax.shard_map`` manual over ``stage`` only; the other mesh axes stay automatic
+inside it, so the layers' sharding constraints and the expert-parallel shard_map nest unchanged. A
+``lax.scan`` runs the iterations, the period call rematerialised under the remat policy as the flat
+scan's body is (its saved residual is the microbatch state it starts from); the backward is autodiff.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+STAGE = "stage"
+
+
+def stage_major(num_periods: int, stages: int) -> np.ndarray:
+    """The periods in memory order: index s*R + r holds period r*S + s (R = num_periods / stages)."""
+    if num_periods % stages:
+        raise ValueError(f"{stages} stages do not divide {num_periods} periods")
+    r = num_periods // stages
+    return np.array([i * stages + s for s in range(stages) for i in range(r)])
+
+
+def to_stage_major(tree, stages: int):
+    """Leaves stacked over the periods in layer order -> the pipeline's memory order."""
+    return jax.tree.map(lambda x: x[stage_major(x.shape[0], stages)], tree)
+
+
+def to_canonical(tree, stages: int):
+    """The pipeline's memory order -> layer order (inverse of ``to_stage_major``)."""
+    return jax.tree.map(lambda x: x[np.argsort(stage_major(x.shape[0], stages))], tree)
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int) -> float:
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+# ---- microbatches: row b of the batch is row b // M of microbatch b % M ------------------------
+
+def _split(x, axis: int, m: int):
+    """[..., B at ``axis``, ...] -> [M, ..., B/M at ``axis``, ...]."""
+    x = x.reshape(x.shape[:axis] + (x.shape[axis] // m, m) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis + 1, 0)
+
+
+def _merge(x, axis: int):
+    """Inverse of ``_split``."""
+    x = jnp.moveaxis(x, 0, axis + 1)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _row_axis(name: str) -> int:
+    return 1 if name == "blocks" else 0     # blocks [NB, B, T, D]; partial / h [B, T, D]
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+# ---- side outputs ----------------------------------------------------------------------------
+
+def _kind(path) -> str:
+    name = jax.tree_util.keystr(path[-1:])
+    return "max" if "max_logits" in name else "sum" if "expert_load" in name else "mean"
+
+
+def _neutral(kind: str, dtype):
+    if kind != "max":
+        return jnp.zeros((), dtype)
+    return jnp.array(-jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min, dtype)
+
+
+def _aux_init(shapes, repeats: int):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, s: jnp.full((repeats,) + s.shape, _neutral(_kind(p), s.dtype), s.dtype), shapes)
+
+
+def _aux_add(acc, aux, r, valid):
+    """Fold one iteration's side outputs into repeat r's slot; bubble iterations add nothing."""
+    def add(path, a, x):
+        kind = _kind(path)
+        x = jnp.where(valid, x, _neutral(kind, x.dtype))
+        old = jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+        new = jnp.maximum(old, x) if kind == "max" else old + x
+        return jax.lax.dynamic_update_index_in_dim(a, new, r, 0)
+    return jax.tree_util.tree_map_with_path(add, acc, aux)
+
+
+def _aux_finish(acc, microbatches: int):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: a / microbatches if _kind(p) == "mean" else a, acc)
+
+
+# ---- the pipeline ----------------------------------------------------------------------------
+
+def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
+                     remat: str = "none", fill=0.0):
+    """Run the periods of ``model`` (a K3Model with ``stages`` > 1) as the pipeline.
+
+    gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
+    res: the residual state after the prefix layers (rows B); segment_ids, positions [B, T].
+    ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
+    NaN). Returns (res after the last period, [(aux of layer j of the period, None)] with aux leaves
+    stacked [P, ...] in memory order), as the flat scan of ``K3Model._walk`` returns them.
+    """
+    from k3jax.model import REMAT_POLICIES
+    n_stages, n_micro, lay = model.stages, model.microbatches, model.layout
+    n_periods = lay.num_periods
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get(STAGE, 1) != n_stages:
+        raise ValueError(f"the pipeline of {n_stages} stages runs under a mesh with a '{STAGE}' axis of that size "
+                         f"(jax.set_mesh(k3jax.sharding.make_mesh(cfg))); got {dict(mesh.shape) or 'no mesh'}")
+    if n_periods % n_stages or n_micro % n_stages or segment_ids.shape[0] % n_micro:
+        raise ValueError(f"{n_stages} stages, {n_micro} microbatches, {n_periods} periods, {segment_ids.shape[0]} "
+                         f"rows: stages must divide periods and microbatches, microbatches the rows")
+    repeats = n_periods // n_stages
+    order = stage_major(n_periods, n_stages)
+    flags = np.array([[model._block_start(l) for l in lay.period_layers(p)] for p in range(n_periods)], bool)
+    starts_before = np.concatenate([[0], np.cumsum(flags.sum(1))[:-1]]).astype(np.int32)
+    flag_tab = jnp.asarray(flags[order].reshape(n_stages, repeats, -1))
+    n_tab = jnp.asarray(starts_before[order].reshape(n_stages, repeats))
+    attn_res = "n" in res
+    n0 = res["n"] if attn_res else jnp.zeros((), jnp.int32)
+    micro = {k: _split(v, _row_axis(k), n_micro) for k, v in res.items() if k != "n"}
+    seg, pos = _split(segment_ids, 0, n_micro), _split(positions, 0, n_micro)
+    dtype = micro["partial" if attn_res else "h"].dtype
+    fill = jnp.asarray(fill, dtype)
+    policy = REMAT_POLICIES[remat]
+    shift = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+
+    def period(st, x, seg_m, pos_m, fl, n):
+        """One period on one microbatch's state x (no n) -> (state, [aux per layer])."""
+        r_state = dict(x, n=n) if attn_res else dict(x)
+        out = []
+        for j, layer in enumerate(nnx.merge(gdef, st).layers):
+            r_state, aux, _ = layer(r_state, seg_m, pos_m, first=False, block_start=fl[j], compute_aux=compute_aux)
+            out.append(aux)
+        return {k: v for k, v in r_state.items() if k != "n"}, out
+
+    if remat != "none":
+        period = jax.checkpoint(period, policy=policy, prevent_cse=False)
+
+    def stage_fn(st, micro, seg, pos, flag_tab, n_tab, n0, fill):
+        s = jax.lax.axis_index(STAGE)
+        flag_tab, n_tab = flag_tab[0], n_tab[0]            # this stage's [R, period], [R]
+        zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), micro)
+        aux_shapes = jax.eval_shape(lambda: period(_take(st, 0), zero, seg[0], pos[0], flag_tab[0], n0)[1])
+
+        last = (repeats - 1) * n_micro + n_stages - 1      # the last stage finishes microbatch m at last + m
+
+        def iteration(carry, t):
+            recv, circ, outs, acc = carry
+            k = t - s
+            valid = (k >= 0) & (k < n_micro * repeats)
+            kc = jnp.clip(k, 0, n_micro * repeats - 1)
+            m, r = kc % n_micro, kc // n_micro
+            # Stage 0 files what the last stage handed over (microbatch (t - S) mod M) for its next repeat.
+            slot, keep = jnp.mod(t - n_stages, n_micro), (s == 0) & (t >= n_stages)
+            circ = jax.tree.map(lambda c, x: jax.lax.dynamic_update_index_in_dim(
+                c, jnp.where(keep, x, jax.lax.dynamic_index_in_dim(c, slot, 0, keepdims=False)), slot, 0), circ, recv)
+            first, stored = _take(micro, m), _take(circ, m)
+            x = jax.tree.map(lambda a, b, c: jnp.where(valid, jnp.where(s == 0, jnp.where(r == 0, a, b), c), 0),
+                             first, stored, recv)
+            y, aux = period(_take(st, r), x, _take(seg, m), _take(pos, m), flag_tab[r], n0 + n_tab[r])
+            acc = _aux_add(acc, aux, r, valid)
+            # Outputs of the final M iterations, kept on every stage (the last stage's are read).
+            o = jnp.clip(t - last, 0, n_micro - 1)
+            outs = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
+                b, jnp.where(t >= last, v, jax.lax.dynamic_index_in_dim(b, o, 0, keepdims=False)), o, 0), outs, y)
+            return (jax.lax.ppermute(y, STAGE, shift), circ, outs, acc), None
+
+        buffers = jax.tree.map(lambda z: jnp.full((n_micro,) + z.shape, fill, z.dtype), zero)
+        carry = (jax.tree.map(lambda z: jnp.full_like(z, fill), zero), buffers, buffers, _aux_init(aux_shapes, repeats))
+        (_, _, outs, acc), _ = jax.lax.scan(iteration, carry, jnp.arange(last + n_micro))
+        return jax.tree.map(lambda y: y[None], outs), _aux_finish(acc, n_micro)
+
+    run = jax.shard_map(stage_fn, mesh=mesh, in_specs=(P(STAGE), P(), P(), P(), P(STAGE), P(STAGE), P(), P()),
+                        out_specs=(P(STAGE), P(STAGE)), axis_names={STAGE}, check_vma=False)
+    ys, aux = run(state, micro, seg, pos, flag_tab, n_tab, n0, fill)
+    out = {k: _merge(v[-1], _row_axis(k)) for k, v in ys.items()}
+    if attn_res:
+        out["n"] = n0 + int(flags.sum())
+    return out, [(a, None) for a in aux]
