@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,8 +82,18 @@ def media_inputs(vcfg, pcfg, items: list[MediaItem], tokens: np.ndarray, pad_id:
 
 def splice(x, features, slots):
     """x [B, T, D] token embeddings, features [M, D], slots [M] flat positions -> x with row
-    ``slots[j]`` replaced by ``features[j]``; slots out of range (padding) are dropped."""
+    ``slots[j]`` replaced by ``features[j]``; slots out of range (padding) are dropped.
+
+    Media grouped per row (features [B, M, D], slots [B, M] holding row b's positions only, as
+    the pod compile feeds them): each row scatters its own features, a scatter batched over the
+    rows that stays split over the batch axes; a flat scatter into [B*T, D] from [B, M] indices
+    cannot be partitioned by rows and would gather the whole batch's embeddings on each device."""
     b, t, d = x.shape
+    if slots.ndim == 2 and slots.shape[0] == b:
+        local = slots - t * jnp.arange(b)[:, None]
+        local = jnp.where((local >= 0) & (local < t), local, DROP)   # padding, or another row's slot
+        return jax.vmap(lambda xr, fr, sr: xr.at[sr].set(fr.astype(x.dtype), mode="drop", unique_indices=True))(
+            x, features, local)
     flat = x.reshape(b * t, d).at[slots].set(features.astype(x.dtype), mode="drop",
                                              unique_indices=True)
     return flat.reshape(b, t, d)
