@@ -160,9 +160,9 @@ def score(run_dir: str, data_dir: str, overrides: list[str]) -> int:
         paths, want = test_records(data_dir, blank)
         with jax.set_mesh(mesh):
             got = captions(model, tok, pcfg, paths, default_system=system)
-        if not blank:   # every 6th held-out image (the set cycles through the 12 labels), then the misses
+        if not blank:   # every 5th held-out image (the set cycles through the 12 labels), then the misses
             rows = list(zip(paths, got, want))
-            for p, g, w in rows[::6] + [r for r in rows if label_of(r[1]) != label_of(r[2])][:5]:
+            for p, g, w in rows[::5] + [r for r in rows if label_of(r[1]) != label_of(r[2])][:5]:
                 print(f"{os.path.basename(p)}: {g!r} (truth: {w!r})")
         what = "blank images (no shape; chance 1/12)" if blank else "held-out images"
         print(f"{what}: {accuracy(got, want):.0%} of {len(want)} captions name the right colour and shape")

@@ -172,10 +172,10 @@ class ParseConversation(P.ParseDocument):
             check_media_limit(len(images), self.pcfg, "record")
         except ValueError as e:     # VisionInputError included
             raise P._BadRecord("bad_record", str(e)) from None
+        from k3jax.multimodal import read_image   # (multimodal imports jax.numpy: not at module import)
         items = []
         for p in images:
             try:
-                from k3jax.multimodal import read_image
                 items.append(process_image(read_image(resolve_image(p, where, self.image_root)), self.pcfg))
             except VisionInputError as e:
                 raise P._BadRecord("bad_image", str(e)) from None
