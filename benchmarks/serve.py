@@ -16,6 +16,10 @@ tokenizer directory for its vocabulary, then:
    between consecutive tokens of a request) as p50 / p99 over all requests. A warm-up request runs
    first so compilation is not measured. The server compiles decode for its default batch buckets
    (powers of two up to serve_max_batch), so each step runs the smallest that holds the load;
+   the largest level is also compared with ``generate()`` on the same model in this process, one
+   batch of that many of the same prompts with the same new tokens (no stop token), output tokens /
+   wall time of its second call (the first compiles), run before the server starts; the 1-minute
+   load average is read before and after each side;
 3. the shared-prefix run (skip with --prefix-len 0): two more servers (serve_max_batch 8, a context
    for the prefix, the suffix and --prefix-new-tokens), one with the prefix cache (its default
    size) and one with serve_prefix_cache_bytes=0. Prompts are one common --prefix-len-token prefix
@@ -159,6 +163,26 @@ def bucket_steps(args, slots: int, context: int, chunk: int, repeats: int = 5) -
     return rows
 
 
+def generate_batch(args, prompts: list[list[int]], new_tokens: int) -> dict:
+    """``generate()`` on all ``prompts`` as one batch, in process: output tokens / wall seconds of the
+    second call (the first compiles; the second reuses its programs, compile_s 0)."""
+    from k3jax.decode import generate
+    from k3jax.state import load_model
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    model = load_model(cfg, mesh)
+    load0 = os.getloadavg()[0]
+    with jax.set_mesh(mesh):
+        generate(model, prompts, max_new_tokens=new_tokens)
+        t0 = time.perf_counter()
+        out, timing = generate(model, prompts, max_new_tokens=new_tokens)
+        wall = time.perf_counter() - t0
+    tokens = int((out >= 0).sum())
+    return {"batch": len(prompts), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "prefill_s": timing["prefill_s"], "decode_s": timing["decode_s"], "compile_s": timing["compile_s"],
+            "load_before": load0, "load_after": os.getloadavg()[0]}
+
+
 def prefix_run(args, work, tok, a, cache: bool) -> dict:
     """The shared-prefix prompts on a server with the prefix cache on or off -> TTFT median, tokens."""
     rng = np.random.default_rng(1)
@@ -194,6 +218,7 @@ def load_level(client, name, prompts, conc: int, per_client: int, new_tokens: in
             with lock:
                 results.append(r)
 
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(conc)]
     for t in threads:
@@ -208,7 +233,8 @@ def load_level(client, name, prompts, conc: int, per_client: int, new_tokens: in
     return {"concurrency": conc, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
             "output_tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
-            "tokens_per_request_ok": all(len(r["times"]) == new_tokens for r in results)}
+            "tokens_per_request_ok": all(len(r["times"]) == new_tokens for r in results),
+            "load_before": load0, "load_after": os.getloadavg()[0]}
 
 
 def main(argv=None):
@@ -253,7 +279,11 @@ def main(argv=None):
               f"bucket n vs decode_step on n contiguous rows")
         print_table(steps, [("bucket", "bucket", "d"), ("gather step ms", "gather_ms", ".1f"),
                             ("contiguous step ms", "contiguous_ms", ".1f")])
-    proc, port = start_server(args, max(a.concurrency), context, a.prefill_chunk, os.path.join(work, "server.log"))
+    top = max(a.concurrency)
+    gen = generate_batch(args, prompts[:top], a.new_tokens)
+    print(f"generate() batch {top}: {gen['output_tokens_per_s']:.1f} output tok/s (prefill {gen['prefill_s']:.2f} s, "
+          f"decode {gen['decode_s']:.2f} s, load {gen['load_before']:.1f} -> {gen['load_after']:.1f})", flush=True)
+    proc, port = start_server(args, top, context, a.prefill_chunk, os.path.join(work, "server.log"))
     rows = []
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
@@ -268,13 +298,19 @@ def main(argv=None):
     base = cli["decode_tokens_per_s"]
     for r in rows:
         r["x_decode_cli"] = r["output_tokens_per_s"] / base
+        r["x_generate"] = r["output_tokens_per_s"] / gen["output_tokens_per_s"] if r["concurrency"] == top else None
     print(f"\n{a.config}: prompt {a.prompt_len} tokens, {a.new_tokens} new tokens per request, one "
           f"{info['backend']} device ({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32; "
           f"decode CLI (one prompt) decode {base:.1f} tok/s")
     print_table(rows, [("concurrency", "concurrency", "d"), ("requests", "requests", "d"),
                        ("output tok/s", "output_tokens_per_s", ".1f"), ("x CLI", "x_decode_cli", ".2f"),
+                       ("x generate()", "x_generate", ".2f"),
                        ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
-                       ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f")])
+                       ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
+                       ("load before", "load_before", ".1f"), ("load after", "load_after", ".1f")])
+    top_row = next(r for r in rows if r["concurrency"] == top)
+    print(f"concurrency {top} vs generate() batch {top} ({gen['output_tokens_per_s']:.1f} output tok/s, the same "
+          f"prompts and new tokens): {top_row['x_generate']:.2f}x")
     prefix = []
     if a.prefix_len:
         prefix = [prefix_run(args, work, tok, a, cache) for cache in (True, False)]
@@ -289,7 +325,7 @@ def main(argv=None):
         print("\n/metrics of the cached server:\n" + "\n".join(prefix[0]["metrics"]))
         prefix = {"runs": prefix, "ttft_speedup": speedup, "tokens_identical": same}
     write_json(a.out, {"benchmark": "serve", "machine": info, "settings": vars(a), "decode_cli": cli,
-                       "levels": rows, "bucket_steps": steps, "prefix": prefix})
+                       "generate": gen, "levels": rows, "bucket_steps": steps, "prefix": prefix})
 
 
 if __name__ == "__main__":
