@@ -1,9 +1,11 @@
 """Supervised fine-tuning examples: conversations -> token ids + per-token target weights.
 
 An SFT record is a JSON object `{"messages": [{"role", "content"}, ...]}` (sft_format
-"messages") or a HellaSwag row `{"ctx", "endings", "label"}` (sft_format "hellaswag"), turned into
-messages by `hellaswag_to_messages`. Both are rendered with the Kimi chat template
-(`chat_template.render`, add_generation_prompt=False), so only assistant output is learned.
+"messages"; an optional record-level `"tools": [schema, ...]`, OpenAI's field, is declared as the
+chat template declares a request's tools) or a HellaSwag row `{"ctx", "endings", "label"}`
+(sft_format "hellaswag"), turned into messages by `hellaswag_to_messages`. Both are rendered with
+the Kimi chat template (`chat_template.render`, add_generation_prompt=False), so only assistant
+output is learned.
 """
 from __future__ import annotations
 
@@ -62,28 +64,43 @@ def validate_messages(messages: Any) -> list[Mapping[str, Any]]:
     return messages
 
 
+class Conversation(list):
+    """Validated messages plus the record's `tools` (None when it has none), which
+    `conversation_to_example` declares."""
+    tools: list[Mapping[str, Any]] | None = None
+
+
 def record_to_messages(record: Mapping[str, Any], sft_format: str) -> list[Mapping[str, Any]]:
-    """A parsed JSON record -> validated messages for `sft_format` ("messages"|"hellaswag")."""
+    """A parsed JSON record -> validated messages for `sft_format` ("messages"|"hellaswag"); a
+    "messages" record's `tools` ride along as the result's `.tools` (a `Conversation`)."""
     if sft_format == "messages":
         if not isinstance(record, Mapping) or "messages" not in record:
             raise ValueError("SFT record has no 'messages' field")
-        return validate_messages(record["messages"])
+        conv = Conversation(validate_messages(record["messages"]))
+        tools = record.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+            raise ValueError("SFT record 'tools' must be a list of tool schema objects")
+        conv.tools = tools or None
+        return conv
     if sft_format == "hellaswag":
         return hellaswag_to_messages(record)
     raise ValueError(f"sft_format must be one of {SFT_FORMATS}, got {sft_format!r}")
 
 
 def conversation_to_example(tokenizer: KimiTokenizer, messages: Sequence[Mapping[str, Any]],
-                            *, default_system: str | None = chat_template.DEFAULT_SYSTEM
+                            *, default_system: str | None = chat_template.DEFAULT_SYSTEM,
+                            tools: Sequence[Mapping[str, Any]] | None = None
                             ) -> tuple[np.ndarray, np.ndarray]:
-    """Render a complete conversation for training.
+    """Render a complete conversation for training; `tools` (default: the `.tools` of a
+    `Conversation`) are declared in a leading `tool_declare` turn, as at inference.
 
     Returns:
       `(tokens int32 [L], weights float32 [L])`: weights[i] = 1 iff token i is assistant output
       and so a prediction target (the pipeline turns it into `loss_mask[t] = weights[t + 1]`).
     """
     ids, mask = chat_template.render(tokenizer, messages, add_generation_prompt=False,
-                                     default_system=default_system)
+                                     default_system=default_system,
+                                     tools=tools if tools is not None else getattr(messages, "tools", None))
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 
