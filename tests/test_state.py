@@ -116,3 +116,20 @@ def test_load_parameters_casts_to_weight_dtype_with_one_notice(tmp_path, capsys)
     load_params(tmp_path / "conv", jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16,
                                                                                sharding=dev), target))
     assert "note:" not in capsys.readouterr().err      # same dtype: nothing to say
+
+
+def test_a_model_without_moe_layers_saves_and_resumes(tmp_path):
+    """All-dense layers leave no router biases: the step saves without an 'extra' item (orbax
+    refuses an empty one) and restores, the empty extra coming back as it went in."""
+    import jax.numpy as jnp
+
+    from k3jax.checkpoint import Checkpointer
+
+    params, opt = {"w": jnp.arange(6.0).reshape(2, 3)}, {"m": jnp.ones(3)}
+    ck = Checkpointer(tmp_path / "ck", async_save=False, with_data=False)
+    assert ck.save(1, params, opt, {})
+    ck.mngr.wait_until_finished()
+    assert (tmp_path / "ck" / "1" / "params").is_dir() and not (tmp_path / "ck" / "1" / "extra").exists()
+    p, o, extra, _ = ck.restore(1, jax.tree.map(ocp.utils.to_shape_dtype_struct, params),
+                                jax.tree.map(ocp.utils.to_shape_dtype_struct, opt), {})
+    assert extra == {} and np.array_equal(p["w"], params["w"]) and np.array_equal(o["m"], opt["m"])

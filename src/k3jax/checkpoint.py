@@ -76,8 +76,9 @@ class Checkpointer:
         """Start saving ``step`` (in the background when async); an earlier save that failed for a
         reason the user can fix (a full disk) raises CheckpointError here or in ``wait``/``close``."""
         import grain
-        args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state),
-                "extra": ocp.args.StandardSave(extra)}
+        args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state)}
+        if jax.tree.leaves(extra):      # a model without MoE layers has no router biases: no item
+            args["extra"] = ocp.args.StandardSave(extra)
         if self.with_data and data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
         self._empty_trash()
@@ -135,8 +136,9 @@ class Checkpointer:
         iterator. Every process decides alike from the same files, without talking to the others."""
         import grain
         args = {"params": ocp.args.StandardRestore(abstract_params),
-                "opt_state": ocp.args.StandardRestore(abstract_opt_state),
-                "extra": ocp.args.StandardRestore(abstract_extra)}
+                "opt_state": ocp.args.StandardRestore(abstract_opt_state)}
+        if jax.tree.leaves(abstract_extra):
+            args["extra"] = ocp.args.StandardRestore(abstract_extra)
         if data_shards is None:
             data_shards = [getattr(data_iter, "shard", None)]
         data_restored = (self.with_data and data_iter is not None
@@ -148,7 +150,7 @@ class Checkpointer:
         except (ValueError, KeyError, FileNotFoundError) as e:
             self._explain_params_mismatch(step, abstract_params, e)
             raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
-        return r["params"], r["opt_state"], r["extra"], data_restored
+        return r["params"], r["opt_state"], r["extra"] if "extra" in args else abstract_extra, data_restored
 
     def _explain_params_mismatch(self, step: int, abstract_params, cause):
         """After a failed restore: when the step's parameter tree differs from the model's, raise
