@@ -413,15 +413,17 @@ class K3Model(nnx.Module):
         res, new = self._walk(res, step, per_site=cache)
         return self._logits(self.final_hidden(res)[:, 0]), new
 
-    def extend(self, tokens, cache, pos, lengths, *, all_positions: bool = False):
+    def extend(self, tokens, cache, pos, lengths, *, all_positions: bool = False, embeddings=None):
         """Chunked prefill: tokens [B,T], the next T tokens of each row, continuing a cache that
         holds the row's first pos[b] tokens in slots 0..pos[b]-1 (rows start at slot 0: no left
         padding). The first lengths[b] >= 1 tokens are real, the rest pad the chunk to a fixed
         shape. Returns (logits [B,V] f32 after each row's last real token, new cache), the cache
         as if the row's tokens so far had been prefilled in one piece. ``all_positions``: the
-        logits of every position instead, [B,T,V] f32 (the server's prompt log-probabilities)."""
+        logits of every position instead, [B,T,V] f32 (the server's prompt log-probabilities).
+        ``embeddings``: the chunk's input rows [B,T,D] in place of ``embed(tokens)`` (image rows
+        spliced at media pads by the server)."""
         self._no_stages()
-        res = self._initial_residual(self.embed(tokens))
+        res = self._initial_residual(self.embed(tokens) if embeddings is None else embeddings)
 
         def step(layer, res, flags, c):
             return layer.extend(res, c, pos, lengths, **flags)

@@ -239,23 +239,17 @@ class Programs:
     def _prefill_media_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
                           first, feats):
         """``_prefill_fn`` with image rows at the chunk's pads: the k-th pad of the chunk takes row
-        first + k of ``feats``. ``model.extend`` embeds token ids itself (model.py takes no embedding
-        input), so this program's own merged copy of the model gets an ``embed`` that splices; the
-        copy lives only inside this trace, and every other program embeds as the model does."""
+        first + k of ``feats`` (the chunk's embeddings go to ``model.extend`` spliced)."""
         m = self._model(state)
-        embed, pad_id = m.embed, self.media_pad
-
-        def embed_with_media(toks):
-            x = embed(toks)
-            is_pad = (toks == pad_id) & (jnp.arange(toks.shape[1]) < length)[None]
-            row = jnp.clip(first + jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[0] - 1)
-            return jnp.where(is_pad[..., None], jnp.take(feats, row, axis=0).astype(x.dtype), x)
-
-        m.embed = embed_with_media
-        row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
-        logits, new = m.extend(tokens[None], jax.tree.unflatten(self._tdef, row), pos[None], length[None])
-        cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
-                 for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
+        toks = tokens[None]
+        x = m.embed(toks)
+        is_pad = (toks == self.media_pad) & (jnp.arange(toks.shape[1]) < length)[None]
+        rows = jnp.clip(first + jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[0] - 1)
+        x = jnp.where(is_pad[..., None], jnp.take(feats, rows, axis=0).astype(x.dtype), x)
+        row = [jax.lax.dynamic_slice_in_dim(c, slot, 1, ax) for c, ax in zip(cache, self._batch_axis)]
+        logits, new = m.extend(toks, jax.tree.unflatten(self._tdef, row), pos[None], length[None], embeddings=x)
+        cache = [jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, ax)
+                 for c, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
         tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
         return (tok, *logprobs(logits, tok, self._k(logits))), cache
 
