@@ -268,3 +268,15 @@ def test_render_errors(tok, tmp_path):
         chat_template.render(k3_like, [{"role": "user", "content": "x"}])
     with pytest.raises(FileNotFoundError):
         chat_template.read_chat_template(tmp_path)
+
+
+def test_a_tokenizer_rewritten_at_the_same_path_is_read_anew(tmp_path, monkeypatch):
+    """tiktoken's loader caches files by path; a tokenizer rebuilt in place must not be read stale."""
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+    d = tmp_path / "tok"
+    first = KimiTokenizer.from_dir(tiny_tokenizer.build(d, vocab_size=512, num_reserved=tiny_tokenizer.MIN_RESERVED))
+    second = KimiTokenizer.from_dir(tiny_tokenizer.build(d, vocab_size=512, num_reserved=tiny_tokenizer.MIN_RESERVED,
+                                                         corpus="Lisbon Lisbon Lisbon weather weather " * 50))
+    assert len(first.encode(" Lisbon")) > 1 and second.encode(" Lisbon") != first.encode(" Lisbon")
+    assert len(second.encode("Lisbon")) == 1

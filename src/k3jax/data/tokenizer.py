@@ -13,6 +13,7 @@ tiny test tokenizer (`tiny_tokenizer.py`) can put the same names at the top of a
 """
 from __future__ import annotations
 
+import base64
 import binascii
 import json
 import os
@@ -20,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from k3jax.errors import UserError
 
@@ -146,7 +146,12 @@ class KimiTokenizer:
                 raise TokenizerError(f"{f} not found: a Kimi tokenizer directory needs "
                                      "tiktoken.model and tokenizer_config.json")
         try:
-            ranks = load_tiktoken_bpe(model_file)
+            # Not tiktoken's load_tiktoken_bpe: it caches every file it reads in
+            # $TMPDIR/data-gym-cache under a hash of the PATH, so a tokenizer rewritten at the same
+            # path (a rebuilt checkpoint or test asset) would be read stale in every later process.
+            with open(model_file, "rb") as f:
+                ranks = {base64.b64decode(tok): int(rank)
+                         for tok, rank in (line.split() for line in f.read().splitlines() if line)}
         except (ValueError, UnicodeDecodeError, binascii.Error, IndexError) as e:
             raise TokenizerError(f"{model_file}: not a tiktoken BPE file (lines of '<base64 token> <rank>'): "
                                  f"{type(e).__name__}: {str(e)[:80]}") from None
