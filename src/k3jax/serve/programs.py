@@ -369,15 +369,21 @@ class Programs:
     def prefill(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
         """Prefill ``tokens`` (at most the largest bucket) into ``slot`` after its first ``pos``
         tokens -> the token sampled after the last one (and its log-probabilities), as for decode."""
+        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter)
+        out, self.cache = self._prefill[c](self.state, self.cache, *args)
+        return tuple(self._get(o)[0] for o in out)
+
+    def _chunk_args(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, *extra):
+        """-> (the chunk bucket holding ``tokens``, the prefill programs' device arguments: the
+        tokens padded to it; ``extra`` int32 scalars after the common ones)."""
         n = len(tokens)
         c = next(b for b in self.buckets if b >= n)
         padded = np.zeros(c, np.int32)
         padded[:n] = tokens
-        args = [self._put(np.asarray(v, dt)) for v, dt in (
+        return c, [self._put(np.asarray(v, dt)) for v, dt in (
             (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
-            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32))]
-        out, self.cache = self._prefill[c](self.state, self.cache, *args)
-        return tuple(self._get(o)[0] for o in out)
+            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32),
+            *((e, np.int32) for e in extra))]
 
     def vision(self, key: int, items):
         """Run the tower on one request's images (``MediaItem``s) and keep their rows as ``key``. Over
@@ -398,13 +404,7 @@ class Programs:
     def prefill_media(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first):
         """``prefill`` of a chunk holding image pads: pad k of the chunk takes row first + k of the
         rows ``vision`` kept as ``key``."""
-        n = len(tokens)
-        c = next(b for b in self.buckets if b >= n)
-        padded = np.zeros(c, np.int32)
-        padded[:n] = tokens
-        args = [self._put(np.asarray(v, dt)) for v, dt in (
-            (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
-            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (first, np.int32))]
+        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter, first)
         out, self.cache = self._prefill_media[c](self.state, self.cache, *args, self.media[key])
         return tuple(self._get(o)[0] for o in out)
 
