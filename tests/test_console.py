@@ -167,3 +167,12 @@ def test_default_system_prompt_switch(tok, tmp_path):
     with_sys, without = _sft_batches(tok, path, 96)[0], _sft_batches(tok, path, 96, sft_default_system=None)[0]
     assert n(with_sys) == len(sft.conversation_to_example(tok, msgs)[0])
     assert n(without) == len(sft.conversation_to_example(tok, msgs, default_system=None)[0]) < n(with_sys)
+
+
+def test_extra_flops_of_an_image_batch_count_in_tflops_and_mfu():
+    """An mm_sft step's tower and projector FLOPs (``extra_flops``) add to the tokens' in TFLOP/s and MFU."""
+    metrics = {"loss": 2.5, "grad_norm": 1.0, "finite": True}
+    c = _console(1)
+    plain, with_images = c.record(1, metrics, 2.0, 1e-3), c.record(1, metrics, 2.0, 1e-3, extra_flops=8e14)
+    assert with_images["tflops_per_device"] == pytest.approx(plain["tflops_per_device"] + 8e14 / 2.0 / 8 / 1e12)
+    assert with_images["mfu"] > plain["mfu"] and with_images["tokens_per_s"] == plain["tokens_per_s"]

@@ -448,7 +448,9 @@ def test_mm_sft_batches_carry_their_images_in_pad_order(mm):
         batches = list(_mm_pipe(mm, paths, **kw))
         assert len(batches) == 2
         first, second = batches
-        check_batch({k: v for k, v in first.items() if k != "media"}, 2, 64)
+        check_batch({k: v for k, v in first.items() if k not in ("media", "media_grids")}, 2, 64)
+        assert first["media_grids"].tolist() == [list(process_image(mm.root / "img" / f"{n}.png", mm.pcfg).grid_thw)
+                                                 for n in "ab"]
         flat = first["tokens"].reshape(-1)
         where = np.flatnonzero(flat == pad)
         assert len(where) == 1 + 2                           # a: 1 token, b: 2; c is in the next batch

@@ -66,16 +66,19 @@ class Console:
         self.recent = collections.deque(maxlen=20)   # step times behind the ETA
         self.pending_saves: dict[int, float] = {}    # async checkpoint step -> save start time
 
-    def record(self, step: int, metrics: dict, dt: float, learning_rate: float) -> dict:
-        """The metrics.jsonl record of optimizer step ``step`` (1-based) that took ``dt`` s."""
+    def record(self, step: int, metrics: dict, dt: float, learning_rate: float, extra_flops: float = 0.0) -> dict:
+        """The metrics.jsonl record of optimizer step ``step`` (1-based) that took ``dt`` s;
+        ``extra_flops``: model FLOPs of the step beyond the tokens' (an image batch's tower and
+        projector, ``counts.vision_train_flops``)."""
         if step > self.start + 1:   # the first step also waits for the input pipeline to fill
             self.recent.append(dt)
         tps = self.tokens / dt
+        flops_s = tps * self.flops_tok + extra_flops / dt
         rec = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "finite"},
                "learning_rate": learning_rate, "step_time_s": dt, "tokens_per_s": tps,
                "tokens_per_s_per_chip": tps / self.chips,
-               "tflops_per_device": tps * self.flops_tok / self.num_devices / 1e12,
-               "tflops_per_chip": tps * self.flops_tok / self.chips / 1e12}
+               "tflops_per_device": flops_s / self.num_devices / 1e12,
+               "tflops_per_chip": flops_s / self.chips / 1e12}
         rec["mfu"] = rec["tflops_per_device"] / self.peak_dev
         recent = self.recent or [dt]
         rec["eta_s"] = (self.total - step) * sum(recent) / len(recent)

@@ -111,7 +111,10 @@ def train(cfg, *, on_step=None) -> dict:
                                     f"{float(m['grad_norm'])}); stopped without saving; the last good checkpoint "
                                     f"is kept (set nan_policy=skip to skip such steps)")
             # tokens processed, padding included; the time covers the batch's input and the step
-            rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)))
+            grids = raw.get("media_grids")     # mm_sft: the tower and projector's FLOPs count too
+            vision = (counts.vision_train_flops(cfg.vision, cfg.model.hidden_size, grids.tolist(), cfg.train.freeze)
+                      if grids is not None and len(grids) else 0.0)
+            rec = console.record(step + 1, m, time.perf_counter() - t_last, float(schedule(step)), extra_flops=vision)
             stats = getattr(data, "stats", None)
             if stats is not None:   # records read so far (the reader runs a little ahead of the steps)
                 rec.update(records_read=stats.records, bad_records=stats.bad,
@@ -166,7 +169,7 @@ def put_batch(feed, mesh, raw: dict) -> dict:
     """A host batch onto the devices: the [rows, T] arrays by ``feed.put``; ``"media"`` (mm_sft:
     ``MediaInputs`` arrays, shaped by the patch bucket, not by rows) replicated on every device."""
     media = raw.get("media")
-    batch = feed.put({k: v for k, v in raw.items() if k != "media"})
+    batch = feed.put({k: v for k, v in raw.items() if k not in ("media", "media_grids")})
     if media is not None:
         rep = NamedSharding(mesh, PartitionSpec())
         batch["media"] = {k: jax.device_put(np.asarray(v), rep) for k, v in media.items()}

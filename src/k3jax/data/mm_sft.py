@@ -256,7 +256,9 @@ class Collate:
                           bucket=patch_bucket(sum(len(it.patches) for it in items), self.pcfg))
         return {"tokens": tokens, "targets": targets, "segment_ids": seg,
                 "positions": np.arange(t, dtype=np.int32)[None] * (seg > 0), "loss_mask": loss,
-                "media": {"patches": mi.patches, "slots": mi.slots, **mi.layout}}
+                "media": {"patches": mi.patches, "slots": mi.slots, **mi.layout},
+                # host only (the step's vision FLOPs for MFU): (t, h, w) of each item, in order
+                "media_grids": np.asarray([it.grid_thw for it in items], np.int32).reshape(len(items), 3)}
 
 
 def make_dataset(*, paths: str, tokenizer, vcfg, pcfg: ProcessorConfig, seq_len: int, batch_size: int,
