@@ -7,19 +7,20 @@ question's city, a `tool` message with a result, and a short assistant reply bui
 - a tokenizer learned on this domain (vocabulary 512, the shared test checkpoint's, so the served
   programs are the same; `tiny_tokenizer.build` with this corpus): every city is one token
   (` Lisbon` in the question, `Lisbon` in the JSON; asserted), as are the tool names and JSON keys;
-- tools declared by name only, a one-line system prompt: a prompt is 58 tokens;
+- tools declared by name only, a one-line system prompt: a prompt is 57 tokens;
 - a closed set of 8 cities; the questions the test asks (`HELD_OUT`) are phrasings x cities that
   never occur together in the fine-tuning set (asserted); two of them use phrasings never trained.
 Each record carries the tools in its `tools` field, which the SFT pipeline declares as the server
 declares a request's tools (the rendered prompt equals `chat_ids(..., tools=TOOLS)`: checked).
 
-What the default run (600 steps, ~10 min on 2 busy cores) learns: the right tool for each held-out
-question, the call format, and a reply after the tool's result; not the argument: it writes the
-same city whatever the question names (the log-probabilities at the argument are the same to 1e-2
-for every city asked). Copying a token from ~17 positions back had not formed in any run tried:
-600 steps here; 525 steps with 24 cities and full parameter schemas; 200 steps at hidden size 64;
-400 steps with echo conversations ("Say Paris." -> "Paris") in the mix, which were not learned
-either.
+Echo turns ("Say Lima." -> "Lima", 30% of the records, same tools and system prompt) teach the one
+skill the call's arguments need, copying a word of the question: in the tool conversations it is
+two tokens of about thirty trained, under random temperatures and times, and without the echo turns
+no run formed it (AdamW 3e-3 for 525 and 600 steps, hidden 64 for 200, Muon 0.01 for 400: the same
+city whatever the question named). With them, the default run (Muon, constant learning rate 0.005,
+600 steps, about 15 min on 2 busy cores) calls the right tool with the right city for all four
+held-out questions and for the trained phrasings, and replies after the tool's result; the same
+tiny model learns the echo alone in about 100 steps.
 
 Then `python -m k3jax.train ... dataset_type=sft model_name=tiny` fine-tunes from random weights on
 CPU, and the last step's `params` and `extra` (router biases) plus the tokenizer are copied to
@@ -75,9 +76,16 @@ def tool_result(name: str, rng) -> tuple[str, str]:
     return json.dumps({"time": f"{hour:02d}:{minute:02d}"}), f"It is {hour:02d}:{minute:02d} in {{c}}."
 
 
-def conversation(rng) -> dict:
-    """One record: the tools; system, user, then the call, its result and the reply."""
+def conversation(rng, echo: float = 0.0) -> dict:
+    """One record: the tools; system, user, then the call, its result and the reply. With
+    probability ``echo`` an echo turn instead ("Say Lima." -> "Lima"): copying a word of the
+    question is the one skill the call's arguments need, and in the tool conversations it is two
+    tokens of about thirty trained, under the random temperatures and times."""
     head = [{"role": "system", "content": SYSTEM}]
+    if rng.random() < echo:
+        c = str(rng.choice(CITIES))
+        return {"tools": TOOLS, "messages": head + [{"role": "user", "content": f"Say {c}."},
+                                                    {"role": "assistant", "content": c}]}
     if rng.random() < 0.08:
         ask, reply = CHATS[int(rng.integers(len(CHATS)))]
         return {"tools": TOOLS, "messages": head + [{"role": "user", "content": ask},
@@ -134,7 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--examples", type=int, default=4000)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--echo", type=float, default=0.3, help="fraction of echo turns in the fine-tuning set")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--work", default="runs/agent-tiny")
     ap.add_argument("--out", default="tests/assets/agent_tiny")
@@ -150,7 +159,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rng = np.random.default_rng(37)
-    records = [conversation(rng) for _ in range(a.examples)]
+    records = [conversation(rng, a.echo) for _ in range(a.examples)]
     asked = {r["messages"][1]["content"] for r in records}
     assert not asked & {q for q, _, _ in HELD_OUT}, "a held-out question is in the fine-tuning set"
     tiny_tokenizer.build(work / "tokenizer", vocab_size=VOCAB, num_reserved=tiny_tokenizer.MIN_RESERVED,
@@ -162,7 +171,7 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", "model_name=tiny", f"vocab_size={VOCAB}",
            f"tokenizer_path={work / 'tokenizer'}", "dataset_type=sft", f"dataset_path={work / 'train.jsonl'}",
-           "max_target_length=128", f"per_device_batch_size={a.batch}", f"steps={a.steps}", "opt_type=adamw",
+           "max_target_length=128", f"per_device_batch_size={a.batch}", f"steps={a.steps}", "opt_type=muon",
            f"learning_rate={a.lr}", "lr_schedule=constant", f"warmup_steps_fraction={WARMUP / a.steps}", "weight_dtype=float32",
            f"checkpoint_period={a.steps}", "log_period=25", "enable_tensorboard=false",
            "async_checkpointing=false", "peak_tflops=0.1", f"base_output_directory={work}", "run_name=sft",
