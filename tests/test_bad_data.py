@@ -97,6 +97,7 @@ def test_mm_sft_bad_records_are_counted_and_named(tmp_path, caplog):
     from PIL import Image
 
     from k3jax import config as C
+    from k3jax.data import mm_sft
     from k3jax.data.vision_processor import from_config
     cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "vision_enabled=true", "vision_patch_buckets=[16]"])
     Image.new("RGB", (28, 28), (200, 10, 10)).save(tmp_path / "ok.png")
@@ -111,11 +112,11 @@ def test_mm_sft_bad_records_are_counted_and_named(tmp_path, caplog):
     path.write_text(json.dumps(recs, indent=1))
     lines = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line == " {"]
     tok = KimiTokenizer.from_dir(REPO / "data" / "demo" / "tokenizer")
-    kw = dict(dataset_type="mm_sft", paths=str(path), tokenizer=tok, seq_len=64, batch_size=1, seed=0,
+    kw = dict(paths=str(path), tokenizer=tok, seq_len=64, batch_size=1, seed=0,
               shuffle=False, process_index=0, process_count=1, num_epochs=1, vcfg=cfg.vision, pcfg=from_config(cfg),
               read_threads=1, prefetch=4)
     with caplog.at_level(logging.WARNING, logger="k3jax.data.pipeline"):
-        it = P.make_pipeline(bad_data="skip", **kw)
+        it = mm_sft.make_pipeline(bad_data="skip", **kw)
         assert len(list(it)) == 2
     assert (it.stats.bad_image, it.stats.bad_record, it.stats.docs, it.stats.bad) == (2, 1, 2, 3)
     got = [r.getMessage() for r in caplog.records]
@@ -123,4 +124,4 @@ def test_mm_sft_bad_records_are_counted_and_named(tmp_path, caplog):
     assert f"{path}:{lines[2]}: {tmp_path / 'broken.png'}: unreadable image" in got[1]
     assert f"{path}:{lines[3]}: 2 <image> markers but 1 images" in got[2]
     with pytest.raises(DataError, match=f"{path}:{lines[1]}: .*gone.png: image file not found"):
-        list(P.make_pipeline(bad_data="fatal", **kw))
+        list(mm_sft.make_pipeline(bad_data="fatal", **kw))

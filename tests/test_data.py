@@ -423,10 +423,11 @@ def _conv(images, question, answer):
 
 
 def _mm_pipe(mm, paths, **kw):
-    args = dict(dataset_type="mm_sft", paths=str(paths), tokenizer=mm.tok, seq_len=64, batch_size=2, seed=0,
+    from k3jax.data import mm_sft
+    args = dict(paths=str(paths), tokenizer=mm.tok, seq_len=64, batch_size=2, seed=0,
                 shuffle=False, process_index=0, process_count=1, bad_data="fatal", num_epochs=1,
                 vcfg=mm.vcfg, pcfg=mm.pcfg, sft_default_system=None, read_threads=1, prefetch=4)
-    return make_pipeline(**{**args, **kw})
+    return mm_sft.make_pipeline(**{**args, **kw})
 
 
 def test_mm_sft_batches_carry_their_images_in_pad_order(mm):

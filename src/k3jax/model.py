@@ -365,7 +365,8 @@ class K3Model(nnx.Module):
             if return_cache:
                 raise ValueError("return_cache with pipeline stages: prefill runs without stages")
             periods = functools.partial(stages.pipeline_periods, self, segment_ids=segment_ids, positions=positions,
-                                        compute_aux=compute_aux, remat=remat, fill=bubble_fill)
+                                        compute_aux=compute_aux, remat=remat,
+                                        policy=REMAT_POLICIES[remat], fill=bubble_fill)
         res, outs = self._walk(res, step, remat=remat, periods=periods)
         aux = self.layout.map(lambda _, o: o[0], outs)
         caches = self.layout.map(lambda _, o: o[1], outs)

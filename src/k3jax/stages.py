@@ -126,16 +126,16 @@ def _aux_finish(acc, microbatches: int):
 # ---- the pipeline ----------------------------------------------------------------------------
 
 def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
-                     remat: str = "none", fill=0.0):
+                     remat: str = "none", policy=None, fill=0.0):
     """Run the periods of ``model`` (a K3Model with ``stages`` > 1) as the pipeline.
 
     gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
     res: the residual state after the prefix layers (rows B); segment_ids, positions [B, T].
+    ``policy``: the remat policy of ``remat`` (``model.REMAT_POLICIES``).
     ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
     NaN). Returns (res after the last period, [(aux of layer j of the period, None)] with aux leaves
     stacked [P, ...] in memory order), as the flat scan of ``K3Model._walk`` returns them.
     """
-    from k3jax.model import REMAT_POLICIES
     n_stages, n_micro, lay = model.stages, model.microbatches, model.layout
     n_periods = lay.num_periods
     mesh = jax.sharding.get_abstract_mesh()
@@ -157,7 +157,6 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     seg, pos = _split(segment_ids, 0, n_micro), _split(positions, 0, n_micro)
     dtype = micro["partial" if attn_res else "h"].dtype
     fill = jnp.asarray(fill, dtype)
-    policy = REMAT_POLICIES[remat]
     shift = [(i, (i + 1) % n_stages) for i in range(n_stages)]
 
     def period(st, x, seg_m, pos_m, fl, n):

@@ -298,6 +298,13 @@ def make_dataset(*, paths: str, tokenizer, vcfg, pcfg: ProcessorConfig, seq_len:
     return it_ds, stats
 
 
+def make_pipeline(*, process_index: int = 0, process_count: int = 1, **kw) -> P.PipelineIterator:
+    """``pipeline.make_pipeline`` for image conversations: the batch iterator of ``make_dataset``
+    (its arguments) over data shard ``process_index`` of ``process_count``."""
+    ds, stats = make_dataset(process_index=process_index, process_count=process_count, **kw)
+    return P.PipelineIterator(iter(ds), stats, (process_index, process_count))
+
+
 def data_iterator(cfg, global_batch: int, tokenizer, *, shard: int = 0, num_shards: int = 1) -> P.PipelineIterator:
     """The training batches of ``dataset_type=mm_sft`` (``step.data_iterator``'s counterpart): data
     shard ``shard`` of ``num_shards``, global_batch / num_shards rows each."""

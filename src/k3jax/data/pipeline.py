@@ -398,15 +398,8 @@ def make_dataset(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeniz
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    if dataset_type == "mm_sft":   # image conversations: k3jax.data.mm_sft (needs options vcfg, pcfg)
-        from k3jax.data import mm_sft
-        return mm_sft.make_dataset(paths=paths, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
-                                   seed=seed, shuffle=shuffle, process_index=process_index,
-                                   process_count=process_count, bad_data=bad_data, num_epochs=num_epochs,
-                                   sft_overlong=sft_overlong, sft_default_system=sft_default_system,
-                                   read_threads=read_threads, prefetch=prefetch,
-                                   check_records_first=check_records_first, max_bad_fraction=max_bad_fraction,
-                                   **mm_options)
+    if dataset_type == "mm_sft":   # image conversations build on this module, not the reverse
+        raise ValueError("dataset_type='mm_sft' batches come from k3jax.data.mm_sft.make_pipeline / make_dataset")
 
     stats = PipelineStats()
     src = _source(dataset_type, paths, text_key=text_key, vocab_size=vocab_size, seed=seed,
@@ -446,8 +439,8 @@ def make_pipeline(*, dataset_type: str, paths: str | None, tokenizer: KimiTokeni
     """Packed-batch iterator for training.
 
     Args:
-      dataset_type: "synthetic" | "jsonl" | "parquet" | "arrayrecord" | "sft" | "mm_sft" (image
-        conversations, `k3jax.data.mm_sft`; options vcfg, pcfg, image_root).
+      dataset_type: "synthetic" | "jsonl" | "parquet" | "arrayrecord" | "sft" (image conversations,
+        "mm_sft": `k3jax.data.mm_sft.make_pipeline`).
       paths: comma-separated globs of input files (None for synthetic).
       tokenizer: a `KimiTokenizer` (unused for synthetic).
       seq_len, batch_size: T and the PER-HOST B of every batch.
