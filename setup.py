@@ -9,7 +9,9 @@ setup(
     package_dir={"": "src", "conversion": "conversion"},
     packages=find_packages("src") + ["conversion"],
     install_requires=[
-        "jax>=0.11.2",
+        # below 0.12.1: with it (2026-12-06) tokamax 0.0.17's Mosaic loss kernel no longer compiles for
+        # TPU ("Unsupported comparison direction: une"); 0.12.0.1 is what the tests pass with
+        "jax>=0.11.2,<0.12.1",
         "flax>=0.12.8",
         "optax>=0.2.8",
         "orbax-checkpoint>=0.12.8",
@@ -39,7 +41,7 @@ setup(
                 "openai>=3.57.0",     # the server tests talk to it with the real OpenAI client
                 "lm-eval[api]>=0.4.13",   # lm-evaluation-harness against the server (no torch)
                 "gcp-storage-emulator>=2026.7.19"],   # a local GCS server for the gs:// tests
-        "tpu": ["jax[tpu]>=0.11.2"],
-        "cuda": ["jax[cuda13]>=0.11.2"],   # NVIDIA GPUs: jax's CUDA 13 plugin with its CUDA wheels
+        "tpu": ["jax[tpu]>=0.11.2,<0.12.1"],
+        "cuda": ["jax[cuda13]>=0.11.2,<0.12.1"],   # NVIDIA GPUs: jax's CUDA 13 plugin with its CUDA wheels
     },
 )
