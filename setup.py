@@ -10,7 +10,8 @@ setup(
     packages=find_packages("src") + ["conversion"],
     install_requires=[
         # below 0.12.1: with it (2026-12-06) tokamax 0.0.17's Mosaic loss kernel no longer compiles for
-        # TPU ("Unsupported comparison direction: une"); 0.12.0.1 is what the tests pass with
+        # TPU ("Unsupported comparison direction: une") and a 2-process CPU pod (gloo) hangs in its first
+        # train step (tests/test_multihost.py); 0.12.0.1 is what the tests pass with
         "jax>=0.11.2,<0.12.1",
         "flax>=0.12.8",
         "optax>=0.2.8",
