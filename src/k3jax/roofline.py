@@ -1,0 +1,239 @@
+"""Roofline estimates of a compiled step: analytic collective bytes per device, the train step's model
+FLOPs, MFU and tokens/s/chip, and the decode step's HBM / ICI traffic (k3jax.compile reports them,
+k3jax.plan ranks by them). Lower bounds: every term at full bandwidth, all overlapped."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import counts
+from k3jax import topology as TP
+from k3jax.layers.common import is_variable
+
+
+def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip, ici_bytes: float = 0.0) -> dict:
+    """Lower-bound step time: the slowest of compute at peak, HBM traffic at full bandwidth and
+    (when given) the analytic collective traffic at the chip's ICI bandwidth, all overlapped."""
+    t_compute = flops_per_device / chip.peak_flops
+    t_memory = bytes_per_device / chip.hbm_bandwidth
+    t_ici = ici_bytes / chip.ici_bandwidth if ici_bytes and chip.ici_bandwidth else 0.0
+    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici,
+            "step_s": max(t_compute, t_memory, t_ici)}
+
+
+def _mesh_axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
+    """ICI bytes one device receives per step for the weights ``leaves`` =
+    [(shape, itemsize, PartitionSpec, logical axes)].
+
+    Activations are batch-sharded over data/fsdp/expert, so each weight is all-gathered for its
+    matmuls over every mesh axis it is split on except ``tensor`` (tensor-parallel matmuls keep
+    their shard) and, for routed-expert weights (an ``exp`` axis), ``expert`` (each device runs its
+    own experts). A ring all-gather over G devices receives (G - 1) shards; ``passes`` gathers per
+    step (forward, backward, and remat's recomputed forward). The gradient leaves by a
+    reduce-scatter over the same group (G - 1 shards) and an all-reduce over the batch axes (data,
+    fsdp, expert; not expert for routed experts) the weight is not split on (2 (R - 1) / R shards,
+    R their size: a replicated weight's gradient is summed over every device's rows).
+    """
+    gather = reduce = 0.0
+    for shape, itemsize, spec, axes in leaves:
+        split = [a for e in spec for a in _mesh_axes(e)]
+        shard = math.prod(shape) * itemsize / math.prod(mesh_shape[a] for a in split)
+        keep = {"tensor"} | ({"expert"} if "exp" in axes else set())
+        g = math.prod(mesh_shape[a] for a in split if a not in keep)
+        gather += passes * (g - 1) * shard
+        reduce += (g - 1) * shard
+        r = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert")
+                      if a not in split and not (a == "expert" and "exp" in axes))
+        if r > 1:
+            reduce += 2 * (r - 1) / r * shard
+    return {"weight_gather": gather, "grad_reduce": reduce}
+
+
+def collective_bytes(cfg, params, mesh) -> dict:
+    """Analytic ICI bytes one device receives per train step: weight all-gathers and gradient
+    reduce-scatters (``weight_collective_bytes``) plus the MoE all-to-alls (dispatch and combine
+    of tokens x top-k rows of the routed width, x capacity_factor in capacity mode, (ep - 1) / ep of
+    them crossing devices, in every pass). A lower bound: ring algorithms at full link use, no
+    DCN, no latency; XLA may also gather a weight once for several uses or re-gather it."""
+    m, t, k = cfg.model, cfg.train, cfg.kernel
+    passes = 2 if t.remat_policy == "none" else 3
+    leaves = [(v.shape, jnp.dtype(v.dtype).itemsize, jax.tree.leaves(v)[0].sharding.spec, tuple(v.axes))
+              for v in jax.tree.leaves(params, is_leaf=is_variable)]
+    out = weight_collective_bytes(leaves, dict(mesh.shape), passes)
+    ep = mesh.shape.get("expert", 1)
+    moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
+    width = m.moe_latent_size or m.hidden_size
+    # each device routes its own tokens: pdb rows of T / context positions
+    rows = t.per_device_batch_size * t.max_target_length / mesh.shape.get("context", 1) * m.num_experts_per_token
+    if k.moe_mode == "capacity":
+        rows *= k.capacity_factor
+    act = jnp.dtype(cfg.train.dtype).itemsize
+    out["expert_all_to_all"] = 2 * passes * moe_layers * rows * width * act * (ep - 1) / ep
+    out["context_exchange"] = context_collective_bytes(cfg, mesh.shape.get("context", 1), passes)
+    out["total"] = sum(out.values())
+    return out
+
+
+def context_collective_bytes(cfg, cp: int, passes: int) -> float:
+    """Analytic ICI bytes one device receives per train step for context parallelism over ``cp``
+    sequence slices (0 when cp = 1), each pass (forward, remat's re-forward, backward: the
+    transposes move the same volume back) of every layer:
+
+    - MLA all-gathers its slice's compressed latent and rope key (kv_lora_rank + qk_rope_head_dim
+      values per token, activation dtype) from the cp - 1 other shards;
+    - KDA combines the slices' affine state maps in f32: with ``allgather`` every (Phi, Psi)
+      [rows, H, K, K + V]; with ``ring`` cp - 1 rounds of one [rows, H, K, V] state;
+    - the short convs take the previous slice's last kda_conv_size - 1 inputs of q, k and v (f32);
+    - with ``context_parallel_load_balance`` MLA's zigzag moves the slice's queries (H x qk_head_dim)
+      out and its outputs (H x v_head_dim) back, activation dtype.
+
+    Per device: pdb rows of T / cp tokens each (pdb = per_device_batch_size; the cp devices of a
+    context group hold slices of the same rows, ``Config.global_batch_size``). Segment-id halos,
+    the final-state psum and QK-clip's pmax are left out (a few bytes per row)."""
+    if cp <= 1:
+        return 0.0
+    m, t = cfg.model, cfg.train
+    rows = t.per_device_batch_size
+    tokens = rows * t.max_target_length / cp
+    act = jnp.dtype(t.dtype).itemsize
+    mla = len(m.mla_layer_set)
+    kda = m.num_layers - mla
+    h, dk = m.kda_num_heads, m.kda_head_dim
+    latent = (cp - 1) * tokens * (m.kv_lora_rank + m.qk_rope_head_dim) * act
+    state = h * dk * (dk + dk if cfg.kernel.context_parallel_strategy == "allgather" else dk) * 4
+    maps = (cp - 1) * rows * state
+    halo = rows * (m.kda_conv_size - 1) * 3 * h * dk * 4
+    if cfg.kernel.context_parallel_load_balance:
+        latent += tokens * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * act
+    return float(passes * (mla * latent + kda * (maps + halo)))
+
+
+def context_attention_factor(cfg, cp: int) -> float:
+    """Executed over causal attention-core work on the busiest context shard: the walk visits
+    whole key blocks up to each query half chunk's end (kernels/attention/context_parallel.py), so
+    balanced shards do (2cp + 1) / 2cp of the causal average, the unbalanced last one (4cp - 1) / 2cp."""
+    if cp <= 1:
+        return 1.0
+    return (2 * cp + 1 if cfg.kernel.context_parallel_load_balance else 4 * cp - 1) / (2 * cp)
+
+
+def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0,
+                   media: dict | None = None) -> dict:
+    """Analytic model FLOPs (6N-style, for MFU) and the roofline step time / MFU / tokens/s/chip;
+    ``media``: the VL step's ``k3jax.compile.media_plan`` (None for text).
+
+    Compute time uses the executed FLOPs: model FLOPs x remat factor (full remat re-runs the forward:
+    4/3; save_dot keeps matmul outputs: ~1) or XLA's count when larger. Memory time uses XLA's bytes
+    accessed, a lower bound for the same loop-counting reason.
+    """
+    m, t = cfg.model, cfg.train
+    tokens = gb * t.max_target_length
+    per_tok = counts.train_flops_per_token(m, t.max_target_length, cfg.kernel.kda_chunk_size)
+    vision = gb * counts.vision_train_flops(cfg.vision, m.hidden_size, media["grids"], t.freeze) if media else 0.0
+    model_flops = (per_tok * tokens + vision) / n_dev
+    remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
+    # Context parallelism: MLA's walk does more than the causal attention core on the busiest shard.
+    core = 3.0 * len(m.mla_layer_set) * counts.mla_attention_flops_per_token(m, t.max_target_length)
+    cp_extra = (context_attention_factor(cfg, cfg.context_size(n_dev)) - 1.0) * core * tokens / n_dev
+    executed = max((model_flops + cp_extra) * remat, cost["flops"])
+    r = roofline(executed, cost["bytes"], chip, ici_bytes)
+    r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
+              "vision_flops_per_device": vision / n_dev,
+              "executed_flops_per_device": executed,
+              "mfu": model_flops / r["step_s"] / chip.peak_flops if r["step_s"] else 0.0})
+    r["tokens_per_s_per_chip"] = tokens / r["step_s"] / (n_dev / chip.devices_per_chip) if r["step_s"] else 0.0
+    return r
+
+
+def _split(mesh, sharding) -> dict:
+    """{mesh axis: size} a leaf is split over."""
+    return {a: mesh.shape[a] for e in sharding.spec for a in _mesh_axes(e)}
+
+
+def decode_estimate(cfg, mesh, chip: TP.Chip, params, rest, cache, cache_specs, batch: int) -> dict:
+    """Analytic per-device traffic of one decode step (one token for each of ``batch`` rows, a
+    cache of max_target_length slots) and its roofline time; a lower bound, since XLA's cost
+    analysis counts the scanned layers once.
+
+    HBM: every non-expert weight shard, all-gathered first over the batch axes (data, fsdp,
+    expert) it is split on (of the embedding table only the looked-up rows); of the routed experts only the expected touched share of the local
+    ones, 1 - (1 - 1/E)^(rows of the expert group x top_k) under uniform routing; the whole local
+    cache read, recurrent states (no cache_seq axis) also written. ICI: those weight gathers, the
+    expert all-to-all (each local row's top_k latent rows out and back), the psum over tensor of
+    the expert down projections (f32, over the static receive buffer the dropless EP kernel
+    allocates: ep * rows * min(top_k, E_local)), and four tensor-parallel reductions of the
+    [rows, D] activations per layer. Compute: 2 x active parameters per row plus MLA attention
+    over the context. Collectives' latency is not modelled (only bandwidth).
+    """
+    m = cfg.model
+    shape = dict(mesh.shape)
+    batch_axes = ("data", "fsdp", "expert")
+    groups = math.prod(shape.get(a, 1) for a in ("data", "fsdp"))
+    ep, tp = shape.get("expert", 1), shape.get("tensor", 1)
+    rows_local = -(-batch // (groups * ep))                   # rows per device (padded)
+    rows_group = rows_local * ep                              # rows an expert group routes
+    touched = 1.0 - (1.0 - 1.0 / m.num_experts) ** (rows_group * m.num_experts_per_token)
+    hbm = {"dense_weights": 0.0, "experts": 0.0, "cache": 0.0}
+    ici = {"weight_gather": 0.0}
+    for v in jax.tree.leaves({"p": params, "r": rest}, is_leaf=is_variable):
+        a = jax.tree.leaves(v)[0]
+        split = _split(mesh, a.sharding)
+        shard = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize / math.prod(split.values())
+        if "exp" in tuple(v.axes):
+            hbm["experts"] += touched * shard
+            continue
+        g = math.prod(s for ax, s in split.items() if ax in batch_axes)
+        if tuple(v.axes)[-2:] == ("vocab", "embed"):   # the embedding lookup reads one row per token
+            shard = min(shard, batch * a.shape[-1] * jnp.dtype(a.dtype).itemsize / math.prod(split.values()))
+        hbm["dense_weights"] += shard * g
+        ici["weight_gather"] += shard * (g - 1)
+    specs = jax.tree.leaves(cache_specs, is_leaf=_is_cache_spec)
+    for a, spec in zip(jax.tree.leaves(cache), specs, strict=True):
+        shard = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize / math.prod(_split(mesh, a.sharding).values())
+        hbm["cache"] += shard * (1 if "cache_seq" in spec[2] else 2)   # recurrent states are written back
+    moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
+    act = jnp.dtype(cfg.train.dtype).itemsize
+    k, lw = m.num_experts_per_token, m.routed_width
+    ici["expert_all_to_all"] = moe_layers * 2 * rows_local * k * lw * act * (ep - 1) / ep
+    e_local = m.num_experts // ep
+    buf = ep * rows_local * min(k, e_local)
+    ici["expert_tensor_psum"] = moe_layers * 2 * (tp - 1) / tp * buf * lw * 4 if tp > 1 else 0.0
+    ici["tensor_reductions"] = m.num_layers * 4 * 2 * (tp - 1) / tp * rows_local * m.hidden_size * act
+    total, active = counts.param_counts(m)
+    ctx = cfg.train.max_target_length
+    mla_layers = len(m.mla_layer_set)
+    attn = mla_layers * 2 * 2 * ctx * m.num_attention_heads * (m.kv_lora_rank + m.qk_rope_head_dim)
+    flops = (2 * active + attn) * batch / mesh.devices.size
+    r = roofline(flops, sum(hbm.values()), chip, sum(ici.values()))
+    chips = mesh.devices.size / chip.devices_per_chip
+    r.update({"hbm_bytes": hbm, "ici_bytes": ici, "flops_per_device": flops, "batch": batch, "context": ctx,
+              "experts_touched_fraction": touched, "ms_per_token": 1e3 * r["step_s"],
+              "tokens_per_s_per_chip": batch / r["step_s"] / chips if r["step_s"] else 0.0})
+    return r
+
+
+def _is_cache_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
+
+
+def format_decode(est: dict, chip: TP.Chip) -> str:
+    h, i = est["hbm_bytes"], est["ici_bytes"]
+    return (f"decode roofline (analytic, batch {est['batch']}, context {est['context']}): HBM per device "
+            f"{gib(sum(h.values()))} (dense weights {gib(h['dense_weights'])}, experts touched "
+            f"{100 * est['experts_touched_fraction']:.1f}% = {gib(h['experts'])}, cache {gib(h['cache'])}) at "
+            f"{chip.hbm_bandwidth / 1e9:.0f} GB/s = {1e3 * est['t_memory']:.3g} ms; ICI per device "
+            f"{sum(i.values()) / 1e6:.1f} MB (weight gathers {i['weight_gather'] / 1e6:.1f}, expert all-to-all "
+            f"{i['expert_all_to_all'] / 1e6:.1f}, expert tensor psum {i['expert_tensor_psum'] / 1e6:.1f}, tensor "
+            f"reductions {i['tensor_reductions'] / 1e6:.1f}) at {chip.ici_bandwidth / 1e9:.0f} GB/s = "
+            f"{1e3 * est['t_ici']:.3g} ms; compute {1e3 * est['t_compute']:.3g} ms -> "
+            f"{est['ms_per_token']:.3g} ms per token, {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
+
+
+def gib(x: float) -> str:
+    return f"{x / TP.GiB:.2f} GiB"
