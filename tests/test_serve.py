@@ -120,6 +120,7 @@ def test_concurrent_streams_equal_alone_and_generate(served):
     # on how prefill chunks and finishing requests interleave).
     assert max(len(r[1]) for r in reqs) > 2 * CHUNK
     assert max(len(ids) for _, ids in served.engine.decode_log) >= SLOTS // 2
+    assert max(len(ids) for _, ids in served.engine.prefill_log) >= 2     # prompts prefilled together
     stop = (served.tok.eos_id, served.tok.im_end_id)
     with jax.set_mesh(served.mesh):
         want, _ = generate(served.model, [r[1] for r in reqs], max_new_tokens=max(r[2] for r in reqs), stop_ids=stop)
@@ -354,18 +355,21 @@ def test_text_state_stops_and_utf8(stops, tokens, want, hit):
 def test_wire_round_trip():
     from k3jax.serve.pod import Step, Wire
     rng = np.random.default_rng(0)
-    w = Wire(slots=4, max_chunk=16)
+    w = Wire(slots=4, max_chunk=16, rows=3)
     dec = Step.decode(rng.integers(0, 500, 4), rng.integers(0, 90, 4), [True, False, True, True],
                       rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2])
     pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
     cache_steps = [Step.ints("save_block", 1, 48, 7), Step.ints("save_state", 2, 2**31 - 1), Step.ints("drop", 5),
                    Step.ints("load_block", 3, 0, 9), Step.ints("load_state", 0, 8)]
     lp = Step.prefill_lp(1, rng.integers(0, 500, 16), 16, 0.0, 0, 1.0, 3, 0, rng.integers(0, 500, 15))
-    for step in (dec, pre, lp, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
+    rows = Step.prefill_rows([2, 0], [rng.integers(0, 500, 16), rng.integers(0, 500, 5)], [0, 48], [0.0, 0.8],
+                             [0, 7], [1.0, 0.9], [2**32 - 1, 4], [0, 3])
+    for step in (dec, pre, lp, rows, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
         back = w.unpack(w.pack(step))
         assert back.kind == step.kind and len(back.args) == len(step.args)
         for a, b in zip(back.args, step.args):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            for x, y in (zip(a, b) if isinstance(b, list) else [(a, b)]):   # prefill_rows: a list of chunks
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def metric(url, name) -> float:

@@ -141,8 +141,8 @@ def test_decode_equals_the_server_as_data_uri_and_as_url(vs, capsys):
         assert max(abs(v - want[t]) for t, v in lp.items()) < 1e-5
 
 
-def _forward_logprobs(vs, data: bytes) -> np.ndarray:
-    """log-softmax of the next token after the chat prompt with this image, by one model forward."""
+def _forward_logprobs(vs, *images: bytes) -> np.ndarray:
+    """log-softmax of the next token after the chat prompt with these images, by one model forward."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -150,11 +150,12 @@ def _forward_logprobs(vs, data: bytes) -> np.ndarray:
     from k3jax.data.vision_processor import from_config, process_image
     from k3jax.multimodal import media_inputs
     pcfg = from_config(vs.cfg)
-    item = process_image(Image.open(io.BytesIO(data)), pcfg)
-    content = [{"type": "image"}, {"type": "text", "text": TEXT}]
-    toks = np.array([chat_ids(vs.engine.tok, [{"role": "user", "content": content}], media=[item.prompt])], np.int32)
+    items = [process_image(Image.open(io.BytesIO(d)), pcfg) for d in images]
+    content = [{"type": "image"}] * len(items) + [{"type": "text", "text": TEXT}]
+    toks = np.array([chat_ids(vs.engine.tok, [{"role": "user", "content": content}],
+                              media=[it.prompt for it in items])], np.int32)
     model = nnx.merge(vs.engine.p.gdef, *vs.engine.p.state)
-    mi = media_inputs(model.vision.vision_tower.vcfg, pcfg, [item], toks, vs.engine.p.media_pad)
+    mi = media_inputs(model.vision.vision_tower.vcfg, pcfg, items, toks, vs.engine.p.media_pad)
     logits = nnx.jit(lambda m, t, media: m(t, media=media)[0][:, -1])(model, jnp.asarray(toks), mi.arrays())
     return np.asarray(jax.nn.log_softmax(logits[0]))
 
@@ -207,6 +208,50 @@ def test_two_image_sizes_after_start_compile_nothing(vs):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert not events, events
     assert len(small) == len(wide) == len(both) == 3
+
+
+def test_requests_admitted_together_share_one_tower_call(vs):
+    """Two image requests (one 28x28 image, one 28x28 + one 84x56) admitted in the same engine
+    iteration go through the tower in one call, and each one's first-token log-probabilities equal
+    the whole-prompt forward with its own images to 1e-5 (its rows sliced from the shared output at
+    its own offset; a wrong offset hands it the other request's image, which moves them by ~4e-4,
+    see test_prefix_cache_keys_on_the_image)."""
+    import queue
+
+    from k3jax.data.chat_template import chat_ids
+    from k3jax.data.vision_processor import from_config, process_image
+    from k3jax.serve.engine import Request
+    from k3jax.serve.media import media_keys
+    pcfg, tok, pad = from_config(vs.cfg), vs.engine.tok, vs.engine.p.media_pad
+
+    def request(images, sink):     # fresh images (seeds 11-13): none is in the prefix cache
+        items = [process_image(Image.open(io.BytesIO(d)), pcfg) for d in images]
+        content = [{"type": "image"}] * len(items) + [{"type": "text", "text": TEXT}]
+        ids = chat_ids(tok, [{"role": "user", "content": content}], media=[it.prompt for it in items])
+        return Request(prompt=ids, max_tokens=3, sink=sink, temperature=0.0, logprobs=20, images=tuple(items),
+                       media=media_keys(ids, items, pad))
+
+    def answer(events: queue.Queue):
+        ids, first = [], None
+        while True:
+            ev = events.get(timeout=120)
+            ids += ev.tokens
+            if first is None and ev.logprobs:
+                first = {i: v for i, _, v in ev.logprobs[0]["top"]}
+            if ev.finish_reason is not None:
+                return ids, first
+
+    sets = [[png(11)], [png(12), png(13, 84, 56)]]
+    together = [queue.Queue() for _ in sets]
+    runs, reqs = vs.engine.tower_runs, vs.engine.tower_requests
+    with vs.engine._cv:            # the engine thread admits both at its next iteration
+        for images, q in zip(sets, together):
+            vs.engine.submit(request(images, q.put))
+    got = [answer(q) for q in together]
+    assert (vs.engine.tower_runs - runs, vs.engine.tower_requests - reqs) == (1, 2)
+    for images, (ids, first) in zip(sets, got):
+        want = _forward_logprobs(vs, *images)
+        assert len(ids) == 3 and max(abs(v - want[t]) for t, v in first.items()) < 1e-5
 
 
 def _chat(url, parts):

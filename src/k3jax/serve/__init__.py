@@ -1,7 +1,7 @@
 """OpenAI-compatible server with continuous batching:
 ``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
 
-Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk,
+Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk, serve_prefill_batch,
 serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes, serve_image_url_domains,
 serve_image_max_bytes, serve_image_fetch_timeout_s (chat image_url parts on a vision model); each slot holds
 max_target_length tokens (prompt + completion). The tokenizer is the checkpoint's (``tokenizer_path``
@@ -54,7 +54,8 @@ def build(cfg, mesh=None):
     programs = Programs(model, mesh, slots=sv.serve_max_batch, length=cfg.train.max_target_length,
                         chunk=sv.serve_prefill_chunk, decode_sizes=sv.serve_decode_buckets,
                         prefix_block=(sv.serve_prefix_block or sv.serve_prefill_chunk) if sv.serve_prefix_cache_bytes else 0,
-                        media=(images["pcfg"], images["pad_id"]) if images else None)
+                        media=(images["pcfg"], images["pad_id"]) if images else None,
+                        prefill_rows=sv.serve_prefill_batch)
     engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id),
                     prefix_cache_bytes=sv.serve_prefix_cache_bytes)
     metrics = ServeMetrics(engine.stats)

@@ -6,14 +6,18 @@ The scheduler loop, one iteration at a time:
 2. move queued requests into free slots (a request with n choices takes n slots at once); with a
    prefix cache, restore into the slot the longest cached prefix of each new prompt
    (``prefix_cache``, keyed by token ids and image digests), which then prefills only the rest;
-3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling: a
+3. prefill ONE chunk (``serve_prefill_chunk`` tokens) of the oldest request still prefilling, and
+   in the same step one chunk of each of the next oldest text prompts, up to ``serve_prefill_batch``
+   (``Programs.prefill_rows``; a prompt with images or echo log-probabilities prefills alone): a
    long prompt advances a chunk per iteration, between decode steps, so it never stalls the
-   requests that are generating; its last chunk yields its first token; the chunk that ends the
-   prompt's last full block before its last token saves the prefix into the cache. Before the
+   requests that are generating, and a burst of prompts prefills a batch of chunks per decode step;
+   a prompt's last chunk yields its first token; the chunk that ends the prompt's last full block
+   before its last token saves the prefix into the cache. Before the
    first chunk of a request with images whose pads the cache did not restore, the vision tower runs
-   on its images (``Programs.vision``: per request, since prefill takes one request at a time, so
-   one request's rows are on the device at a time); its chunks splice the rows in
-   (``prefill_media``) and its last chunk frees them;
+   once on its images and on those of every other admitted request still waiting for the tower,
+   packed together while they fit the largest compiled patch bucket (``Programs.vision``); each
+   request's chunks splice its own rows of that output in (``prefill_media``), and the rows are
+   freed when the last of those requests has prefilled (or gone);
 4. one decode step for every generating slot at once (``Programs.decode``, in the smallest
    compiled decode bucket that holds them); the new request joins it at the next iteration.
 
@@ -87,6 +91,7 @@ class Request:
     slot: int = -1
     prefilled: int = 0
     media_id: int = -1                        # its image rows in Programs.media: -1 not yet, -2 done or not needed
+    media_row: int = 0                        # where its rows start in them (the tower ran on several requests)
     reused: int = 0                           # prompt tokens restored from the prefix cache
     waiting: bool = False                     # a copy whose leader has not finished its prefill
     prompt_entries: list = dataclasses.field(default_factory=list)
@@ -109,18 +114,22 @@ class Engine:
         self.max_queue, self.stop_ids = max_queue, frozenset(stop_ids)
         self.chunk = programs.buckets[-1]
         self.metrics = metrics
-        self.link = Link(Wire(programs.slots, self.chunk))   # each step, as every process receives it
+        self.rows = max(programs.row_sizes, default=1)    # prompts one prefill step takes
+        self.link = Link(Wire(programs.slots, self.chunk, self.rows))   # each step, as every process receives it
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._media_ids = itertools.count()
         self._media_freed: list[int] = []      # rows of requests dropped mid-prefill
-        self.tower_runs = 0                    # requests whose images went through the tower
+        self.tower_runs = 0                    # tower calls (each on the images of one or more requests)
+        self.tower_requests = 0                # requests whose images went through the tower
+        self._media_refs: dict[int, int] = {}  # rows kept on device -> requests still to splice them
         self.iteration = 0
         # (iteration, request ids active in that iteration's decode step) and (iteration, request
         # id) for each first token: how tests see that a request joined a running batch.
         self.decode_log: collections.deque = collections.deque(maxlen=10_000)
+        self.prefill_log: collections.deque = collections.deque(maxlen=10_000)     # (iteration, ids of one step)
         self.first_token_log: collections.deque = collections.deque(maxlen=10_000)
         self.finished_log: collections.deque = collections.deque(maxlen=10_000)   # (id, reason, tokens)
         self.error: BaseException | None = None
@@ -211,7 +220,7 @@ class Engine:
         prefilling = [r for r in self.slots if r is not None and not r.waiting and r.prefilled < self._end(r)]
         decoding = [r for r in self.slots if r is not None and not r.waiting and r.prefilled >= self._end(r)]
         if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda r: r.submitted))
+            self._prefill(sorted(prefilling, key=lambda r: r.submitted))
         if decoding:
             self._decode(decoding)
         return True
@@ -224,9 +233,7 @@ class Engine:
         freed = []
         for i, r in enumerate(self.slots):
             if r is not None and (r.cancelled or r.done):
-                if r.media_id >= 0:
-                    self._media_freed.append(r.media_id)
-                    r.media_id = -2
+                self._release_media(r, later=True)
                 if not r.done:
                     self._finish(r, "cancelled")
                     for c in r.copies:      # copies that never started go with their leader
@@ -278,13 +285,42 @@ class Engine:
             self.metrics.prefix_lookup(r.reused)
 
     def _start_media(self, r: Request) -> None:
-        """Run the tower on r's images unless the prefix cache restored every pad."""
-        if self._pads(r)[-1] < r.prefilled:
-            r.media_id = -2
+        """Run the tower once on r's images and on those of the other admitted requests waiting for
+        it (oldest first, while the packed patches fit a compiled bucket); a request whose pads the
+        prefix cache restored needs none."""
+        waiting = sorted((q for q in self.slots if q is not None and q is not r and not q.waiting and q.images
+                          and q.media_id == -1), key=lambda q: q.submitted)
+        group, items = [], []
+        for q in [r, *waiting]:
+            if self._pads(q)[-1] < q.prefilled:
+                q.media_id = -2
+            elif not group or self.p.fits(items + list(q.images)):
+                group.append(q)
+                items += q.images
+        if not group:
             return
-        r.media_id = next(self._media_ids)
-        self.p.vision(r.media_id, r.images)     # process 0 only: a pod refuses images (pod.py)
+        key, row = next(self._media_ids), 0
+        self.p.vision(key, items)     # process 0 only: a pod refuses images (pod.py)
+        for q in group:
+            q.media_id, q.media_row = key, row
+            row += sum(it.tokens for it in q.images)
+        self._media_refs[key] = len(group)
         self.tower_runs += 1
+        self.tower_requests += len(group)
+
+    def _release_media(self, r: Request, later: bool = False) -> None:
+        """r no longer needs its image rows; the last request holding them frees them (``later``:
+        at the next iteration, from the request-dropping path)."""
+        if r.media_id < 0:
+            return
+        key, r.media_id = r.media_id, -2
+        self._media_refs[key] -= 1
+        if self._media_refs[key] == 0:
+            del self._media_refs[key]
+            if later:
+                self._media_freed.append(key)
+            else:
+                self._run_step(Step.ints("drop_media", key))
 
     def _pads(self, r: Request) -> np.ndarray:
         return np.flatnonzero(np.asarray(r.prompt) == self.p.media_pad)
@@ -307,13 +343,29 @@ class Engine:
     def _sampling(self, r: Request):
         return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated)
 
+    def _prefill(self, prefilling: list[Request]) -> None:
+        """One prefill step: the oldest prompt's next chunk, batched with the next oldest text prompts'."""
+        text = [r for r in prefilling if not r.images and r.prompt_logprobs is None]
+        if self.rows < 2 or len(text) < 2 or text[0] is not prefilling[0]:
+            return self._prefill_chunk(prefilling[0])
+        group = text[:self.rows]
+        pieces = [r.prompt[r.prefilled:min(r.prefilled + self.chunk, self._end(r))] for r in group]
+        sampling = list(zip(*(self._sampling(r) for r in group)))
+        self.prefill_log.append((self.iteration, tuple(r.id for r in group)))
+        out = self._run_step(Step.prefill_rows([r.slot for r in group], pieces, [r.prefilled for r in group],
+                                               *sampling))
+        for i, (r, piece) in enumerate(zip(group, pieces)):
+            r.prefilled += len(piece)
+            self._chunk_done(r, tuple(o[i] for o in out))
+
     def _prefill_chunk(self, r: Request) -> None:
+        self.prefill_log.append((self.iteration, (r.id,)))
         start = r.prefilled
         piece = r.prompt[start:min(start + self.chunk, self._end(r))]
         if r.images and r.media_id == -1:
             self._start_media(r)
         if r.media_id >= 0:       # the k-th pad of the prompt takes row k of its image rows
-            first = int(np.searchsorted(self._pads(r), start))
+            first = r.media_row + int(np.searchsorted(self._pads(r), start))
             out = self._run_step(Step.prefill_media(r.slot, piece, start, *self._sampling(r), r.media_id, first))
         elif r.prompt_logprobs is None:
             out = self._run_step(Step.prefill(r.slot, piece, start, *self._sampling(r)))
@@ -323,12 +375,15 @@ class Engine:
             for t, lp, ids, lps in zip(targets, *out[4:]):
                 r.prompt_entries.append(self._logprob_entry(t, lp, ids, lps, r.prompt_logprobs))
         r.prefilled += len(piece)
+        self._chunk_done(r, out)
+
+    def _chunk_done(self, r: Request, out) -> None:
+        """r's prefill advanced a chunk (``out``: the sample after its last token): the prefix cache,
+        and at the prompt's end its first token, its copies or its echo."""
         self._save_prefix(r)
         if r.prefilled < self._end(r):
             return
-        if r.media_id >= 0:
-            self._run_step(Step.ints("drop_media", r.media_id))
-            r.media_id = -2
+        self._release_media(r)
         if r.prompt_logprobs is not None:
             first = {"id": r.prompt[0], "token": self._piece(r.prompt[0]), "logprob": None, "top": None,
                      "bytes": list(self.tok.decode_bytes([r.prompt[0]]))}

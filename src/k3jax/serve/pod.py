@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
-         "copy", "prefill_lp", "prefill_media", "drop_media")
+         "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows")
 # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
 INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy", "drop_media")
 
@@ -48,6 +48,15 @@ class Step:
     def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
         return cls("prefill", (int(slot), np.asarray(tokens, np.int32), int(pos), float(np.float32(temperature)),
                                int(top_k), float(np.float32(top_p)), int(seed) & 0xFFFFFFFF, int(counter)))
+
+    @classmethod
+    def prefill_rows(cls, slots, tokens, pos, temperature, top_k, top_p, seeds, counters):
+        """A chunk of each of several prompts in one step: ``tokens`` a list of chunks, the rest one
+        value per prompt."""
+        return cls("prefill_rows", (np.asarray(slots, np.int32), [np.asarray(t, np.int32) for t in tokens],
+                                    np.asarray(pos, np.int32), np.asarray(temperature, np.float32),
+                                    np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+                                    np.asarray(seeds, np.uint32), np.asarray(counters, np.int32)))
 
     @classmethod
     def prefill_lp(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
@@ -79,11 +88,12 @@ def _bits(x, dtype):
 
 
 class Wire:
-    """Step <-> int32[size] for ``slots`` decode rows and prefill chunks of at most ``max_chunk``."""
+    """Step <-> int32[size] for ``slots`` decode rows, prefill chunks of at most ``max_chunk`` and
+    batched prefills of at most ``rows`` chunks."""
 
-    def __init__(self, slots: int, max_chunk: int):
-        self.b, self.c = slots, max_chunk
-        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk)
+    def __init__(self, slots: int, max_chunk: int, rows: int = 1):
+        self.b, self.c, self.r = slots, max_chunk, rows
+        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk, rows * (8 + max_chunk))
 
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
@@ -108,6 +118,18 @@ class Wire:
                          _bits(seed, np.uint32), counter, 0]
             out[10:10 + len(tokens)] = tokens
             out[10 + self.c:12 + self.c] = [key, first]
+        elif step.kind == "prefill_rows":
+            slots, tokens, pos, temperature, top_k, top_p, seeds, counters = step.args
+            n, r = len(slots), self.r
+            lengths = [len(t) for t in tokens]
+            cols = [slots, pos, lengths, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
+                    _bits(seeds, np.uint32), counters]
+            out[1] = n
+            for j, c in enumerate(cols):
+                out[2 + j * r:2 + j * r + n] = np.asarray(c, np.int32)
+            for i, t in enumerate(tokens):
+                at = 2 + 8 * r + i * self.c
+                out[at:at + len(t)] = t
         elif step.kind in INT_KINDS:
             out[1] = len(step.args)
             out[2:2 + len(step.args)] = step.args
@@ -133,6 +155,12 @@ class Wire:
             return Step.prefill_media(h[0], arr[10:10 + int(arr[1])], h[1], h[2:3].view(np.float32)[0], h[3],
                                       h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6],
                                       arr[10 + self.c], arr[11 + self.c])
+        if kind == "prefill_rows":
+            n, r = int(arr[1]), self.r
+            c = arr[2:2 + 8 * r].reshape(8, r)[:, :n]
+            tokens = [arr[2 + 8 * r + i * self.c:2 + 8 * r + i * self.c + int(c[2, i])] for i in range(n)]
+            return Step.prefill_rows(c[0], tokens, c[1], c[3].view(np.float32), c[4], c[5].view(np.float32),
+                                     c[6].view(np.uint32), c[7])
         if kind in INT_KINDS:
             return Step.ints(kind, *arr[2:2 + int(arr[1])])
         return Step(kind)

@@ -13,6 +13,11 @@ latent cache region. These programs run on it, each compiled once, ahead of time
 - ``prefill[C]``: the next C prompt tokens of one slot (``model.extend`` on that row), for each C
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
   request ever triggers a compilation. The chunk's last real token gives the first sampled token.
+- ``prefill_rows[R]``: a chunk of each of R prompts in one step (R in the row buckets: powers of
+  two from 2 up to ``prefill_rows``, at most B), each chunk padded to ``serve_prefill_chunk``: it
+  gathers those slots' rows (padded with idle slots, left unchanged), runs ``model.extend`` on the
+  R x chunk tokens and scatters the rows back. A burst of new requests so prefills R at a time, at
+  the batched matmuls' speed, with one decode step per R chunks instead of one per chunk.
 - ``reset``: zero one slot's rows when its request ends, so a slot always starts from zeros.
 - ``copy``: one slot's rows of every leaf into another (the n copies of a request share its prefill).
 - ``prefill_lp``: ``prefill`` in the largest chunk that also returns every position's
@@ -59,6 +64,16 @@ def prefill_buckets(chunk: int) -> list[int]:
     return out + [chunk]
 
 
+def row_buckets(rows: int, slots: int) -> list[int]:
+    """Compiled batched-prefill row counts: powers of two from 2 below min(rows, slots), and it
+    ([] when that is 1: every prompt prefills alone)."""
+    top, out, b = min(rows, slots), [], 2
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top] if top > 1 else []
+
+
 def decode_buckets(slots: int, given=None) -> list[int]:
     """Compiled decode batch sizes: ``given`` (``serve_decode_buckets``, validated by the config),
     else the powers of two below ``slots``, and ``slots``."""
@@ -101,10 +116,12 @@ class Programs:
     """
 
     def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0,
-                 media=None):
-        """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only."""
+                 media=None, prefill_rows: int = 1):
+        """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only.
+        ``prefill_rows``: most prompts one prefill step takes (``serve_prefill_batch``)."""
         self.mesh, self.slots, self.length = mesh, slots, length
         self.buckets = prefill_buckets(chunk)
+        self.row_sizes = row_buckets(prefill_rows, slots)
         self.decode_sizes = decode_buckets(slots, decode_sizes)
         # A block as long as the context could never be reused (a hit leaves >= 1 token to prefill).
         self.prefix_block = prefix_block if 0 < prefix_block < length else 0
@@ -130,6 +147,8 @@ class Programs:
         with jax.set_mesh(mesh):
             self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
             self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
+            self._prefill_rows = {r: self._compile(self._prefill_rows_fn, self._prefill_rows_args(r))
+                                  for r in self.row_sizes}
             self._reset = self._compile(self._reset_fn, [i32], out="cache")
             self._copy = self._compile(self._copy_fn, [i32, i32], out="cache")
             c = self.buckets[-1]
@@ -230,6 +249,19 @@ class Programs:
         tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
         return (tok, *logprobs(logits, tok, self._k(logits))), cache
 
+    def _prefill_rows_fn(self, state, cache, idx, tokens, pos, length, active, temperature, top_k, top_p, seeds,
+                         counters):
+        """``_prefill_fn`` for the R slots ``idx`` (distinct) at once: tokens [R, C]; rows not
+        ``active`` (padding) keep every cache leaf as it was."""
+        rows = [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
+        logits, new = self._model(state).extend(tokens, jax.tree.unflatten(self._tdef, rows), pos, length)
+        out = []
+        for x, v, old, ax in zip(cache, jax.tree.leaves(new), rows, self._batch_axis):
+            keep = active.reshape([-1 if a == ax else 1 for a in range(v.ndim)])
+            out.append(x.at[(slice(None),) * ax + (idx,)].set(jnp.where(keep, v.astype(x.dtype), old)))
+        tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
+        return (tok, *logprobs(logits, tok, self._k(logits))), out
+
     def _tower_fn(self, state, inputs):
         """One request's packed images -> its projected rows [media_rows, D] (zeros past its count)."""
         m = self._model(state)
@@ -314,6 +346,11 @@ class Programs:
         i32, f32 = jnp.int32, jnp.float32
         return [jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
 
+    def _prefill_rows_args(self, r):
+        i32, f32, c = jnp.int32, jnp.float32, self.buckets[-1]
+        return ([jax.ShapeDtypeStruct((r,), i32), jax.ShapeDtypeStruct((r, c), i32)]
+                + [jax.ShapeDtypeStruct((r,), dt) for dt in (i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)])
+
     def _prefill_args(self, c):
         scalars = (jnp.int32, jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32)
         return ([jax.ShapeDtypeStruct((), scalars[0]), jax.ShapeDtypeStruct((c,), jnp.int32)]
@@ -372,6 +409,26 @@ class Programs:
         c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter)
         out, self.cache = self._prefill[c](self.state, self.cache, *args)
         return tuple(self._get(o)[0] for o in out)
+
+    def prefill_rows(self, slots, tokens, pos, temperature, top_k, top_p, seeds, counters):
+        """``prefill`` of one chunk for each of the given slots (at most the largest row bucket;
+        ``tokens`` a list of chunks, the others [R]) in the smallest row bucket that holds them ->
+        (tokens [R], logprobs [R], top ids [R, K], top logprobs [R, K]) in the slots' order."""
+        n, c = len(slots), self.buckets[-1]
+        r = next(b for b in self.row_sizes if b >= n)
+        idle = [s for s in range(self.slots) if s not in set(int(x) for x in slots)][:r - n]
+        idx = np.array([*slots, *idle], np.int32)
+        padded = np.zeros((r, c), np.int32)
+        length = np.ones(r, np.int32)
+        for i, t in enumerate(tokens):
+            padded[i, :len(t)], length[i] = t, len(t)
+
+        def col(v, dt, fill=0):
+            return np.concatenate([np.asarray(v, dt), np.full(r - n, fill, dt)])
+        args = [idx, padded, col(pos, np.int32), length, np.arange(r) < n, col(temperature, np.float32),
+                col(top_k, np.int32), col(top_p, np.float32, 1), col(seeds, np.uint32), col(counters, np.int32)]
+        out, self.cache = self._prefill_rows[r](self.state, self.cache, *map(self._put, args))
+        return tuple(self._get(o)[:n] for o in out)
 
     def _chunk_args(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, *extra):
         """-> (the chunk bucket holding ``tokens``, the prefill programs' device arguments: the
