@@ -244,9 +244,10 @@ def cost_report(compiled) -> dict:
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
 
 
-def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0) -> dict:
+def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0,
+                   comm: dict | None = None) -> dict:
     """``roofline.train_estimate`` with the compiled step's media (its vision FLOPs)."""
-    return R.train_estimate(cfg, gb, n_dev, chip, cost, ici_bytes, media=media_plan(cfg))
+    return R.train_estimate(cfg, gb, n_dev, chip, cost, ici_bytes, media=media_plan(cfg), comm=comm)
 
 
 def format_memory(name: str, mem: dict) -> str:
@@ -291,8 +292,8 @@ def run(cfg, out=print) -> dict:
     if cfg.compile.compile_step in ("train", "both"):
         compiled, secs, gb = compile_train(cfg, mesh)
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
-        comm = collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh)
-        est = train_estimate(cfg, gb, n, chip, cost, comm["total"])
+        comm = collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh, gb)
+        est = train_estimate(cfg, gb, n, chip, cost, comm=comm)
         reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "collectives": comm, "compile_s": secs,
                             "global_batch": gb}
         out(f"train step: global batch {gb} x {cfg.train.max_target_length} tokens, compiled in {secs:.1f}s")
@@ -312,9 +313,12 @@ def run(cfg, out=print) -> dict:
             f"gradient reductions {comm['grad_reduce']:.3e} B, expert all-to-alls {comm['expert_all_to_all']:.3e} B, "
             f"context-parallel exchanges {comm['context_exchange']:.3e} B (context={mesh.shape.get('context', 1)}: "
             f"{cfg.train.max_target_length // mesh.shape.get('context', 1)} tokens per slice)")
+        for line in R.format_multislice(comm, est, chip, n):
+            out(line)
         out(f"train roofline bound at peak ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
-            f"HBM, {chip.ici_bandwidth / 1e9:.0f} GB/s ICI per device, all overlapped): step >= {est['step_s']:.3f}s "
-            f"(compute {est['t_compute']:.3f}s, memory {est['t_memory']:.3f}s, collectives {est['t_ici']:.3f}s), "
+            f"HBM, {chip.ici_bandwidth / 1e9:.0f} GB/s ICI, {chip.dcn_bandwidth / 1e9:.2f} GB/s DCN per device, all "
+            f"overlapped{R.pipeline_note(est)}): step >= {est['step_s']:.3f}s (compute {est['t_compute']:.3f}s, memory "
+            f"{est['t_memory']:.3f}s, collectives {est['t_ici']:.3f}s ICI / {est['t_dcn']:.3f}s DCN), "
             f"MFU <= {100 * est['mfu']:.1f}%, <= {est['tokens_per_s_per_chip']:.0f} tokens/s/chip")
     if cfg.compile.compile_step in ("decode", "both"):
         compiled, secs, gb = compile_decode(cfg, mesh)

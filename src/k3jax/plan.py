@@ -13,6 +13,16 @@ compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in
 is ranked by the roofline estimate of tokens/s/chip (model FLOPs and XLA bytes at the chip's peak,
 see k3jax.compile.train_estimate). A candidate the compiler rejects is listed with its reason.
 
+Multi-slice (``compile_topology_num_slices`` = N > 1): every in-slice candidate is tried once per
+axis of ``plan_dcn_axes`` (default data and stage) with that axis N across the slices
+(``dcn_<axis>_parallelism=N``; stage candidates stream ``num_pipeline_microbatches`` microbatches
+and compile without checkpointing, which the pipeline refuses): dcn_data keeps the whole training
+state in each slice, dcn_fsdp gathers every weight over DCN, dcn_expert sends tokens over it,
+dcn_stage hands the residual state over it. One table ranks them all by the roofline with the DCN
+term (``k3jax.roofline``: DCN bytes at the chip's DCN bandwidth, the pipeline's bubble and stage
+hops), with the bubble, the bytes crossing slices per step and the DCN time beside; candidates that
+do not fit or do not compile are listed below it.
+
 ``plan_step=decode`` searches serving meshes instead: tensor x expert (data = fsdp = 1, non-expert
 weights replicated over expert: ``shard_params_over_all_axes=false``), expert sizes from
 ``plan_expert_parallelism`` or the divisors of num_experts and the device count from 2 up to
@@ -57,6 +67,23 @@ def candidates(cfg, num_devices: int) -> list[dict]:
     return out
 
 
+DCN_AXES = ("data", "fsdp", "expert", "stage")
+
+
+def multislice_candidates(cfg, devices_per_slice: int, slices: int) -> list[dict]:
+    """The in-slice candidates once per axis of plan_dcn_axes spanning the ``slices``."""
+    axes = [str(a) for a in cfg.compile.plan_dcn_axes]
+    bad = [a for a in axes if a not in DCN_AXES]
+    if bad or not axes:
+        raise C.ConfigError(f"plan_dcn_axes={axes}: each entry must be one of {', '.join(DCN_AXES)} (at least one)")
+    out = []
+    for axis in axes:
+        for cand in candidates(cfg, devices_per_slice):
+            extra = {"enable_checkpointing": False} if axis == "stage" else {}
+            out.append({**cand, f"dcn_{axis}_parallelism": slices, "dcn_axis": axis, **extra})
+    return out
+
+
 def decode_candidates(cfg, num_devices: int) -> list[dict]:
     """Serving meshes tensor x expert to try, least expert-parallel first (most tensor-parallel)."""
     m = cfg.model
@@ -78,7 +105,7 @@ def _compiled(cfg, devices, cand: dict, compile_fn):
     OOM at compile time, kernel refusals)."""
     row = dict(cand)
     try:
-        c = C.override(cfg, cand)
+        c = C.override(cfg, {k: v for k, v in cand.items() if k != "dcn_axis"})
         C.validate(c, num_devices=len(devices))
         mesh = make_mesh(c, devices=devices)
         row["mesh"] = K.mesh_desc(mesh)
@@ -129,59 +156,80 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
         return row
     c, mesh, compiled, secs, gb = done
     mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
-    comm = K.collective_bytes(c, abstract_state(c, mesh)[1]["params"], mesh)
-    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm["total"]),
+    comm = K.collective_bytes(c, abstract_state(c, mesh)[1]["params"], mesh, gb)
+    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm=comm),
                collectives=comm, global_batch=gb, compile_s=secs)
     return row
 
 
+def _label(r: dict) -> str:
+    axis = r.get("dcn_axis")
+    across = f"dcn_{axis}={r[f'dcn_{axis}_parallelism']} " if axis else ""
+    return (f"{across}expert={r['ici_expert_parallelism']} data={r['ici_data_parallelism']} "
+            f"context={r.get('ici_context_parallelism', 1)} remat={r['remat_policy']} "
+            f"batch/dev={r['per_device_batch_size']:g}")
+
+
 def table(rows: list[dict], seq: int) -> str:
     """Ranked table of fitting rows (best tokens/s/chip bound first, then least memory), then the
-    rejected ones."""
+    rejected ones. Multi-slice rows add the axis across slices, the bubble, the bytes crossing the
+    slices per step (all devices) and the DCN time (overlappable + stage hops)."""
     # Best bound first; equal bounds (compute-bound candidates with the same batch and remat) rank
     # by memory, the candidate with more headroom first.
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
                 key=lambda r: (-round(r["estimate"]["tokens_per_s_per_chip"], 6), r["memory"]["total"]))
+    multi = any("dcn_axis" in r for r in rows)
     head = (f"{'rank':>4}  {'mesh':<52} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
             f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
+    if multi:
+        head += f" {'across':>9} {'bubble%':>7} {'x-slice GB':>10} {'DCN s':>7}"
     lines = [head, "-" * len(head)]
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
-        lines.append(f"{i:>4}  {r['mesh']:<52} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
-                     f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
-                     f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
+        line = (f"{i:>4}  {r['mesh']:<52} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
+                f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
+                f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
+        if multi:
+            line += (f" {r['dcn_axis']:>9} {100 * e['bubble']:>7.1f} {r['collectives']['cross_slice_bytes'] / 1e9:>10.1f} "
+                     f"{e['t_dcn'] + e['t_hops']:>7.3f}")
+        lines.append(line)
     if ok:
         lines.append("step s, MFU% and tok/s/chip are roofline bounds: the slowest of compute at peak, XLA's HBM "
-                     "bytes and the analytic collective bytes at ICI bandwidth, fully overlapped")
+                     "bytes and the analytic collective bytes at ICI and DCN bandwidth, fully overlapped"
+                     + ("; a pipelined step is that / (1 - bubble) plus its stage hops (k3jax.roofline)" if multi else ""))
     rejected = [r for r in rows if r not in ok]
     if rejected:
         lines.append(f"not fitting or not compiling (sequence length {seq}):")
         for r in rejected:
             why = r.get("error") or f"needs {r['memory']['total'] / TP.GiB:.1f} GiB per device"
-            lines.append(f"      expert={r['ici_expert_parallelism']} data={r['ici_data_parallelism']} "
-                         f"context={r.get('ici_context_parallelism', 1)} remat={r['remat_policy']} "
-                         f"batch/dev={r['per_device_batch_size']:g}: {why}")
+            lines.append(f"      {_label(r)}: {why}")
     return "\n".join(lines)
 
 
 def plan(cfg, out=print, limit: int | None = None) -> list[dict]:
-    """Try the candidates for cfg.compile.topology; print progress and the ranked table."""
+    """Try the candidates for cfg.compile.topology (x compile_topology_num_slices); print progress
+    and the ranked table."""
     if not cfg.compile.topology:
         raise C.ConfigError("topology is not set; e.g. topology=tpu7x-1024 or topology=v5p-2048")
     topo = TP.resolve(cfg.compile.topology)
-    devices = TP.devices(topo)
+    slices = cfg.compile.compile_topology_num_slices
+    if slices < 1:
+        raise C.ConfigError(f"compile_topology_num_slices={slices}: must be 1 or more")
+    if slices > 1 and cfg.compile.plan_step == "decode":
+        raise C.ConfigError("plan_step=decode plans one slice; set compile_topology_num_slices=1")
+    devices = TP.devices(topo, slices)
     if cfg.compile.plan_step == "decode":
         return _plan_decode(cfg, topo, devices, out, limit)
-    cands = candidates(cfg, len(devices))[:limit]
-    out(f"planning {cfg.model_name} on {topo}: {len(cands)} candidates, sequence length {cfg.train.max_target_length}")
+    per_slice = len(devices) // slices
+    cands = (multislice_candidates(cfg, per_slice, slices) if slices > 1 else candidates(cfg, per_slice))[:limit]
+    where = f"{slices} x {topo}" if slices > 1 else str(topo)
+    out(f"planning {cfg.model_name} on {where}: {len(cands)} candidates, sequence length {cfg.train.max_target_length}")
     rows = []
     for i, cand in enumerate(cands, 1):
         r = evaluate(cfg, devices, topo.chip, cand)
         status = r.get("error") or (f"{r['memory']['total'] / TP.GiB:.1f} GiB/dev, "
                                     f"{r['estimate']['tokens_per_s_per_chip']:.0f} tok/s/chip")
-        out(f"[{i}/{len(cands)}] expert={cand['ici_expert_parallelism']} data={cand['ici_data_parallelism']} "
-            f"context={cand['ici_context_parallelism']} remat={cand['remat_policy']} "
-            f"batch/dev={cand['per_device_batch_size']:g}: {status}")
+        out(f"[{i}/{len(cands)}] {_label(cand)}: {status}")
         rows.append(r)
     out(table(rows, cfg.train.max_target_length))
     return rows

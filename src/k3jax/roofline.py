@@ -11,23 +11,41 @@ import jax.numpy as jnp
 from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
+from k3jax.layout import layout
+from k3jax.schema import MESH_AXES
+from k3jax.stages import bubble_fraction
+from k3jax.validation import num_stages, pipeline_microbatches
 
 
-def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip, ici_bytes: float = 0.0) -> dict:
+def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip, ici_bytes: float = 0.0,
+             dcn_bytes: float = 0.0, hop_s: float = 0.0, bubble: float = 0.0) -> dict:
     """Lower-bound step time: the slowest of compute at peak, HBM traffic at full bandwidth and
-    (when given) the analytic collective traffic at the chip's ICI bandwidth, all overlapped."""
+    (when given) the analytic collective traffic at the chip's ICI and DCN bandwidths, all
+    overlapped; a pipelined step (``bubble`` > 0) takes 1 / (1 - bubble) of that, plus ``hop_s``, its
+    stage hand-offs, which sit on the pipeline's critical path (each iteration waits for the last).
+    ``exposed_s``: the part of the step compute and HBM traffic do not cover (collectives beyond
+    them, and the hops). ``dcn_unknown``: DCN bytes on a chip whose DCN bandwidth is not in the
+    chip table, left out of the bound."""
     t_compute = flops_per_device / chip.peak_flops
     t_memory = bytes_per_device / chip.hbm_bandwidth
     t_ici = ici_bytes / chip.ici_bandwidth if ici_bytes and chip.ici_bandwidth else 0.0
-    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici,
-            "step_s": max(t_compute, t_memory, t_ici)}
+    t_dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes and chip.dcn_bandwidth else 0.0
+    stretch = 1.0 / (1.0 - bubble)
+    step = max(t_compute, t_memory, t_ici, t_dcn) * stretch + hop_s
+    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici, "t_dcn": t_dcn, "t_hops": hop_s,
+            "bubble": bubble, "step_s": step, "exposed_s": step - max(t_compute, t_memory) * stretch,
+            "dcn_unknown": bool(dcn_bytes) and not chip.dcn_bandwidth}
 
 
 def _mesh_axes(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
+BATCH_AXES = ("stage", "data", "fsdp", "expert")   # outside the pipeline `stage` splits the rows too
+
+
+def weight_collective_bytes(leaves, mesh_shape: dict, passes: int, dcn: dict | None = None,
+                            stage_iters: float = 1.0) -> dict:
     """ICI bytes one device receives per step for the weights ``leaves`` =
     [(shape, itemsize, PartitionSpec, logical axes)].
 
@@ -39,45 +57,138 @@ def weight_collective_bytes(leaves, mesh_shape: dict, passes: int) -> dict:
     reduce-scatter over the same group (G - 1 shards) and an all-reduce over the batch axes (data,
     fsdp, expert; not expert for routed experts) the weight is not split on (2 (R - 1) / R shards,
     R their size: a replicated weight's gradient is summed over every device's rows).
+
+    Pipeline (a ``stage`` axis): the periods' stacked leaves split over ``stage`` are never gathered
+    over it, and each stage gathers one period per pipeline iteration and reduce-scatters its
+    gradient there: ``stage_iters`` = iterations / repeats = (M R + S - 1) / R times the unpipelined
+    volume of its own periods. Leaves replicated over ``stage`` have their gradient summed over it.
+
+    ``dcn``: {mesh axis: its size across slices}. A group of G = G_ici x G_dcn devices gathers
+    hierarchically: (G_dcn - 1) shards over DCN, (G_ici - 1) G_dcn over ICI; an all-reduce over
+    R = R_ici x R_dcn moves 2 (R_dcn - 1) / R_dcn of a 1 / R_ici share over DCN and 2 (R_ici - 1) /
+    R_ici shards over ICI. With ``dcn`` the result gains ``dcn_weight_gather`` / ``dcn_grad_reduce``
+    and the ICI figures leave those bytes out.
     """
-    gather = reduce = 0.0
+    dcn = dcn or {}
+    d = lambda axes: math.prod(dcn.get(a, 1) for a in axes)  # noqa: E731
+    gather = reduce = dcn_gather = dcn_reduce = 0.0
     for shape, itemsize, spec, axes in leaves:
         split = [a for e in spec for a in _mesh_axes(e)]
         shard = math.prod(shape) * itemsize / math.prod(mesh_shape[a] for a in split)
-        keep = {"tensor"} | ({"expert"} if "exp" in axes else set())
-        g = math.prod(mesh_shape[a] for a in split if a not in keep)
-        gather += passes * (g - 1) * shard
-        reduce += (g - 1) * shard
-        r = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert")
-                      if a not in split and not (a == "expert" and "exp" in axes))
-        if r > 1:
-            reduce += 2 * (r - 1) / r * shard
-    return {"weight_gather": gather, "grad_reduce": reduce}
+        keep = {"tensor", "stage"} | ({"expert"} if "exp" in axes else set())
+        group = [a for a in split if a not in keep]
+        g, g_dcn = math.prod(mesh_shape[a] for a in group), d(group)
+        f = stage_iters if "stage" in split else 1.0
+        gather += f * passes * (g - g_dcn) * shard
+        reduce += f * (g - g_dcn) * shard
+        dcn_gather += f * passes * (g_dcn - 1) * shard
+        dcn_reduce += f * (g_dcn - 1) * shard
+        rest = [a for a in BATCH_AXES if a in mesh_shape and a not in split and not (a == "expert" and "exp" in axes)]
+        r, r_dcn = math.prod(mesh_shape[a] for a in rest), d(rest)
+        r_ici = r // r_dcn
+        if r_ici > 1:
+            reduce += 2 * (r_ici - 1) / r_ici * shard
+        if r_dcn > 1:
+            dcn_reduce += 2 * (r_dcn - 1) / r_dcn * shard / r_ici
+    out = {"weight_gather": gather, "grad_reduce": reduce}
+    if dcn:
+        out.update(dcn_weight_gather=dcn_gather, dcn_grad_reduce=dcn_reduce)
+    return out
 
 
-def collective_bytes(cfg, params, mesh) -> dict:
-    """Analytic ICI bytes one device receives per train step: weight all-gathers and gradient
+def dcn_sizes(cfg) -> dict:
+    """{mesh axis: its size across slices} (the dcn_*_parallelism keys, ``stage`` included)."""
+    return {a: getattr(cfg.mesh, f"dcn_{a}_parallelism") for a in ("stage",) + MESH_AXES}
+
+
+def pipeline_shape(cfg) -> dict:
+    """Stages S, microbatches M, repeats R, iterations M R + S - 1 per pipeline run and the bubble
+    fraction (S - 1) / (M R + S - 1) (k3jax.stages); S = 1 without a pipeline."""
+    s = num_stages(cfg)
+    if s == 1:
+        return {"stages": 1, "microbatches": 1, "repeats": 1, "iterations": 1, "bubble": 0.0, "hop_bytes": 0.0}
+    m = pipeline_microbatches(cfg)
+    r = layout(cfg.model, cfg.train.scan_layers).num_periods // s
+    return {"stages": s, "microbatches": m, "repeats": r, "iterations": m * r + s - 1,
+            "bubble": bubble_fraction(s, m, r), "hop_bytes": 0.0}
+
+
+def stage_hop_bytes(cfg, mesh_shape: dict, gb: int) -> float:
+    """Bytes one device sends per stage hand-off: one microbatch's residual state without its block
+    count, the AttnRes block buffer [NB, mb, T, D] and the partial sum [mb, T, D] (without AttnRes,
+    the hidden state), activation dtype, its rows split over the stage's data x fsdp x expert
+    shards and its positions over context (k3jax.stages)."""
+    m, t = cfg.model, cfg.train
+    pipe = pipeline_shape(cfg)
+    rows = gb / t.gradient_accumulation_steps / pipe["microbatches"]
+    rows /= math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert"))
+    buffers = len(m.attn_res_block_starts) + 1 if m.attn_res else 1
+    return buffers * rows * t.max_target_length / mesh_shape.get("context", 1) * m.hidden_size * \
+        jnp.dtype(t.dtype).itemsize
+
+
+def collective_bytes(cfg, params, mesh, gb: int | None = None) -> dict:
+    """Analytic bytes one device receives per train step: weight all-gathers and gradient
     reduce-scatters (``weight_collective_bytes``) plus the MoE all-to-alls (dispatch and combine
     of tokens x top-k rows of the routed width, x capacity_factor in capacity mode, (ep - 1) / ep of
-    them crossing devices, in every pass). A lower bound: ring algorithms at full link use, no
-    DCN, no latency; XLA may also gather a weight once for several uses or re-gather it."""
+    them crossing devices, in every pass) and the context exchanges, over ICI (the top-level keys,
+    "total" their sum) and over DCN (``dcn``: the same collectives' cross-slice share, and the
+    stage hops). A lower bound: ring / hierarchical algorithms at full link use, no latency; XLA
+    may also gather a weight once for several uses or re-gather it.
+
+    With a ``stage`` axis (``pipeline``: its shape): ``stage_hops`` are the ICI bytes of the
+    hand-offs, 2 (forward and backward) x iterations x ``stage_hop_bytes`` per pipeline run (one
+    per gradient accumulation step), on the devices whose next stage is in the same slice;
+    ``dcn["stage_hops"]`` the same on the devices whose next stage is in another slice (the
+    dcn_stage boundaries: dcn_stage of the S ring edges). ``cross_slice_bytes``: what crosses the
+    slice network per step, summed over all devices. ``gb``: the global batch (rows); default from
+    the config."""
     m, t, k = cfg.model, cfg.train, cfg.kernel
+    shape, dcn = dict(mesh.shape), dcn_sizes(cfg)
     passes = 2 if t.remat_policy == "none" else 3
+    pipe = pipeline_shape(cfg)
     leaves = [(v.shape, jnp.dtype(v.dtype).itemsize, jax.tree.leaves(v)[0].sharding.spec, tuple(v.axes))
               for v in jax.tree.leaves(params, is_leaf=is_variable)]
-    out = weight_collective_bytes(leaves, dict(mesh.shape), passes)
-    ep = mesh.shape.get("expert", 1)
+    w = weight_collective_bytes(leaves, shape, passes, dcn, pipe["iterations"] / pipe["repeats"])
+    out = {"weight_gather": w["weight_gather"], "grad_reduce": w["grad_reduce"]}
+    ep, ep_dcn = shape.get("expert", 1), dcn["expert"]
     moe_layers = sum(m.ffn(l) == "moe" for l in range(m.num_layers))
     width = m.moe_latent_size or m.hidden_size
     # each device routes its own tokens: pdb rows of T / context positions
-    rows = t.per_device_batch_size * t.max_target_length / mesh.shape.get("context", 1) * m.num_experts_per_token
+    rows = t.per_device_batch_size * t.max_target_length / shape.get("context", 1) * m.num_experts_per_token
     if k.moe_mode == "capacity":
         rows *= k.capacity_factor
     act = jnp.dtype(cfg.train.dtype).itemsize
-    out["expert_all_to_all"] = 2 * passes * moe_layers * rows * width * act * (ep - 1) / ep
-    out["context_exchange"] = context_collective_bytes(cfg, mesh.shape.get("context", 1), passes)
+    a2a = 2 * passes * moe_layers * rows * width * act
+    out["expert_all_to_all"] = a2a * ((ep - 1) / ep - (ep_dcn - 1) / ep_dcn)   # to the other slices: (ep_dcn-1)/ep_dcn
+    cp, cp_dcn = shape.get("context", 1), dcn["context"]
+    ctx = context_collective_bytes(cfg, cp, passes)
+    ctx_dcn = ctx * (cp_dcn - 1) / (cp - 1) if cp > 1 else 0.0   # the share of the cp - 1 peers in other slices
+    out["context_exchange"] = ctx - ctx_dcn
     out["total"] = sum(out.values())
+    gb = cfg.global_batch_size(mesh.devices.size) if gb is None else gb
+    pipe["hop_bytes"] = stage_hop_bytes(cfg, shape, gb) if pipe["stages"] > 1 else 0.0
+    hops = 2 * pipe["iterations"] * t.gradient_accumulation_steps * pipe["hop_bytes"]
+    out["stage_hops"] = hops if shape.get("stage", 1) > dcn["stage"] else 0.0
+    out["dcn"] = {"weight_gather": w["dcn_weight_gather"], "grad_reduce": w["dcn_grad_reduce"],
+                  "expert_all_to_all": a2a * (ep_dcn - 1) / ep_dcn, "context_exchange": ctx_dcn,
+                  "stage_hops": hops if dcn["stage"] > 1 else 0.0}
+    out["dcn_total"] = sum(out["dcn"].values())
+    n = mesh.devices.size
+    crossing = n // pipe["stages"] * dcn["stage"] if dcn["stage"] > 1 else 0   # devices whose hop leaves the slice
+    out["cross_slice_bytes"] = n * (out["dcn_total"] - out["dcn"]["stage_hops"]) + crossing * out["dcn"]["stage_hops"]
+    out["pipeline"] = pipe
     return out
+
+
+def estimate_terms(comm: dict, chip: TP.Chip) -> dict:
+    """``roofline``'s collective keywords from ``collective_bytes``: overlappable ICI and DCN bytes,
+    the stage hops' time (each at the bandwidth of the slowest link it crosses) and the bubble."""
+    dcn_hops = comm["dcn"]["stage_hops"]
+    hop_s = dcn_hops / chip.dcn_bandwidth if dcn_hops and chip.dcn_bandwidth else \
+        comm["stage_hops"] / chip.ici_bandwidth if comm["stage_hops"] and chip.ici_bandwidth else 0.0
+    return {"ici_bytes": comm["total"], "dcn_bytes": comm["dcn_total"] - dcn_hops, "hop_s": hop_s,
+            "bubble": comm["pipeline"]["bubble"]}
 
 
 def context_collective_bytes(cfg, cp: int, passes: int) -> float:
@@ -124,9 +235,11 @@ def context_attention_factor(cfg, cp: int) -> float:
 
 
 def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0,
-                   media: dict | None = None) -> dict:
+                   media: dict | None = None, comm: dict | None = None) -> dict:
     """Analytic model FLOPs (6N-style, for MFU) and the roofline step time / MFU / tokens/s/chip;
-    ``media``: the VL step's ``k3jax.compile.media_plan`` (None for text).
+    ``media``: the VL step's ``k3jax.compile.media_plan`` (None for text). ``comm``: the step's
+    ``collective_bytes``; when given, its ICI and DCN terms, stage hops and bubble (``estimate_terms``)
+    replace ``ici_bytes``.
 
     Compute time uses the executed FLOPs: model FLOPs x remat factor (full remat re-runs the forward:
     4/3; save_dot keeps matmul outputs: ~1) or XLA's count when larger. Memory time uses XLA's bytes
@@ -142,7 +255,8 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     core = 3.0 * len(m.mla_layer_set) * counts.mla_attention_flops_per_token(m, t.max_target_length)
     cp_extra = (context_attention_factor(cfg, cfg.context_size(n_dev)) - 1.0) * core * tokens / n_dev
     executed = max((model_flops + cp_extra) * remat, cost["flops"])
-    r = roofline(executed, cost["bytes"], chip, ici_bytes)
+    terms = estimate_terms(comm, chip) if comm is not None else {"ici_bytes": ici_bytes}
+    r = roofline(executed, cost["bytes"], chip, **terms)
     r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
               "vision_flops_per_device": vision / n_dev,
               "executed_flops_per_device": executed,
@@ -237,3 +351,33 @@ def format_decode(est: dict, chip: TP.Chip) -> str:
 
 def gib(x: float) -> str:
     return f"{x / TP.GiB:.2f} GiB"
+
+
+def pipeline_note(est: dict) -> str:
+    """'' without a pipeline; else how the bound treats the bubble and the hops."""
+    if not est["bubble"] and not est["t_hops"]:
+        return ""
+    return f", / (1 - bubble {est['bubble']:.3f}) + stage hops {est['t_hops']:.3f}s"
+
+
+def format_multislice(comm: dict, est: dict, chip: TP.Chip, n_dev: int) -> list[str]:
+    """The DCN and pipeline lines of the train report (none for one slice without stages)."""
+    lines = []
+    d, pipe = comm["dcn"], comm["pipeline"]
+    if comm["dcn_total"]:
+        lines.append(
+            f"train DCN per device (analytic, lower bound): weight all-gathers {d['weight_gather']:.3e} B, gradient "
+            f"reductions {d['grad_reduce']:.3e} B, expert all-to-alls {d['expert_all_to_all']:.3e} B, context "
+            f"exchanges {d['context_exchange']:.3e} B, stage hops {d['stage_hops']:.3e} B; "
+            f"{comm['cross_slice_bytes']:.3e} B cross the slices per step (all {n_dev} devices); "
+            + (f"at {chip.dcn_bandwidth / 1e9:.2f} GB/s per device ({chip.dcn_gbps_per_chip:g} Gbit/s per chip): "
+               f"{est['t_dcn']:.3f}s overlappable" + (f" + {est['t_hops']:.3f}s of hops" if d["stage_hops"] else "")
+               if not est["dcn_unknown"] else f"DCN bandwidth of {chip.name} unknown: left out of the bound"))
+    if pipe["stages"] > 1:
+        lines.append(
+            f"train pipeline: {pipe['stages']} stages x {pipe['microbatches']} microbatches x {pipe['repeats']} repeats = "
+            f"{pipe['iterations']} iterations, bubble {100 * pipe['bubble']:.1f}%; hand-off "
+            f"{pipe['hop_bytes']:.3e} B per device per hop, "
+            f"{comm['stage_hops']:.3e} B over ICI / {d['stage_hops']:.3e} B over DCN per device per step; exposed "
+            f"collectives (step beyond compute and HBM time) {est['exposed_s']:.3f}s")
+    return lines

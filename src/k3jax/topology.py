@@ -37,6 +37,7 @@ class Chip:
     dims: int                     # 3 = 3D torus slices (v5p, TPU7x); 2 = 2D (v5e, v6e)
     ici_gbps_per_chip: float = 0.0  # ICI bandwidth into one chip, one direction, GB/s (0: unknown)
     device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings of this chip (MFU on a live TPU)
+    dcn_gbps_per_chip: float = 0.0  # data center network (between slices) per chip, Gbit/s (0: unknown)
 
     @property
     def hbm_bytes(self) -> float:
@@ -54,6 +55,11 @@ class Chip:
         return self.ici_gbps_per_chip * 1e9 / self.devices_per_chip
 
     @property
+    def dcn_bandwidth(self) -> float:
+        """DCN bytes/s of one JAX device (its share of the chip's slice-network bandwidth); 0 when unknown."""
+        return self.dcn_gbps_per_chip * 1e9 / 8 / self.devices_per_chip
+
+    @property
     def hbm_bandwidth(self) -> float:
         """HBM bytes/s of one JAX device."""
         return self.hbm_gbps_per_chip * 1e9 / self.devices_per_chip
@@ -63,9 +69,12 @@ GiB = 1024 ** 3
 CHIPS = {
     # ICI: half the bidirectional per-chip figure (v5p: 1200 GB/s on the Cloud TPU page = its
     # 4800 Gbps; TPU7x: 1.2 TB/s bidirectional as announced; v6e 3584 Gbps; v5e 1600 Gbps).
-    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0, ("TPU v5p", "TPU v5")),
-    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0, ("TPU7x",)),
-    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0, ("TPU v6e", "TPU v6 lite")),
+    # DCN (between slices), Gbit/s per chip, from the "Data center network (DCN) bandwidth per chip"
+    # rows of the Cloud TPU system-architecture tables: v5p 50 (cloud.google.com/tpu/docs/v5p), v6e
+    # 100 and TPU7x 100 (cloud.google.com/tpu/docs/tpu7x, which lists all three); v5e and v4 unknown.
+    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0, ("TPU v5p", "TPU v5"), 50.0),
+    "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0, ("TPU7x",), 100.0),
+    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0, ("TPU v6e", "TPU v6 lite"), 100.0),
     "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0, ("TPU v5e", "TPU v5 lite")),
     "v4": Chip("v4", 32 * GiB, 275.0, 1200.0, 1, 2, 3, 0.0, ("TPU v4",)),
 }
