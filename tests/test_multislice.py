@@ -157,3 +157,27 @@ def test_dcn_terms_of_the_pipelined_compile_by_hand(pipelined_two_slices):
                                           + hop_s)
     lines = R.format_multislice(comm, est, topo.chip, 8)
     assert "stage hops" in lines[0] and "bubble 33.3%" in lines[1]
+
+
+def test_plan_multislice_candidates_and_table():
+    from k3jax import plan as PL
+    cfg = C.load_from_argv(["model_name=kimi-k3", "topology=v5p-2048", "compile_topology_num_slices=2",
+                            "plan_expert_parallelism=[128]", "plan_data_parallelism=[1]", "plan_remat_policies=[full]",
+                            "plan_batch_sizes=[1]"])
+    cands = PL.multislice_candidates(cfg, 1024, 2)       # default plan_dcn_axes: data, stage
+    assert [c["dcn_axis"] for c in cands] == ["data", "stage"]
+    assert cands[0]["dcn_data_parallelism"] == 2 and "dcn_stage_parallelism" not in cands[0]
+    assert cands[1]["dcn_stage_parallelism"] == 2 and cands[1]["enable_checkpointing"] is False
+    with pytest.raises(C.ConfigError, match="plan_dcn_axes"):
+        PL.multislice_candidates(C.override(cfg, {"plan_dcn_axes": ["tensor"]}), 1024, 2)
+    # One table: the fitting row ranked with its axis, bubble, cross-slice bytes and DCN time; the
+    # row over HBM listed below with the axis it tried.
+    est = {"tokens_per_s_per_chip": 346.0, "step_s": 11.8, "mfu": 0.48, "bubble": 0.0435, "t_dcn": 0.04, "t_hops": 3.89}
+    ok = dict(cands[1], mesh="stage=2 x fsdp=8 x expert=128", global_batch=2048, estimate=est,
+              memory={"total": 60 * TP.GiB, "hbm": 95 * TP.GiB, "fits": True},
+              collectives={"cross_slice_bytes": 5.03e13})
+    over = dict(cands[0], memory={"total": 120 * TP.GiB, "hbm": 95 * TP.GiB, "fits": False})
+    text = PL.table([over, ok], 4096)
+    first = text.splitlines()[2]
+    assert "stage" in first and "4.3" in first and "50300.0" in first and "3.930" in first
+    assert "dcn_data=2 expert=128 data=1 context=1 remat=full batch/dev=1: needs 120.0 GiB per device" in text
