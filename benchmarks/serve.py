@@ -11,7 +11,10 @@ tokenizer directory for its vocabulary, then:
    each concurrency C in --concurrency, C client threads each sending --requests-per-client
    streaming completions (random prompts of --prompt-len token ids, max_tokens = --new-tokens,
    ignore_eos so every request generates exactly that many, greedy) back to back. Per level:
-   output tokens/s = all generated tokens / wall time from the first request to the last answer;
+   output tokens/s = all generated tokens / wall time from the first request to the last answer
+   ("x CLI": over the CLI's decode tokens/s, "x CLI end to end": over the CLI's new tokens / its
+   prefill + decode time); a request's decode rate = its tokens after the first / the time from its
+   first to its last token, median over requests ("x CLI decode": over the CLI's decode rate);
    time to first token (request sent -> first token received) and inter-token latency (gaps
    between consecutive tokens of a request) as p50 / p99 over all requests. A warm-up request runs
    first so compilation is not measured. The server compiles decode for its default batch buckets
@@ -230,7 +233,10 @@ def load_level(client, name, prompts, conc: int, per_client: int, new_tokens: in
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     tokens = sum(len(r["times"]) for r in results)
-    return {"concurrency": conc, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+    # a request's own decode rate: its tokens after the first over the time from first to last
+    decode = [(len(r["times"]) - 1) / (r["times"][-1] - r["times"][0]) for r in results if len(r["times"]) > 1]
+    return {"decode_tokens_per_s_per_request": float(np.median(decode)) if decode else None,
+            "concurrency": conc, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
             "output_tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
             "tokens_per_request_ok": all(len(r["times"]) == new_tokens for r in results),
@@ -296,15 +302,21 @@ def main(argv=None):
         proc.terminate()
         proc.wait(600)
     base = cli["decode_tokens_per_s"]
+    # the CLI's own end to end rate for one prompt: its new tokens over its prefill + decode time
+    cli["output_tokens_per_s"] = a.new_tokens / (a.prompt_len / cli["prefill_tokens_per_s"] + a.new_tokens / base)
     for r in rows:
         r["x_decode_cli"] = r["output_tokens_per_s"] / base
+        r["x_cli_end_to_end"] = r["output_tokens_per_s"] / cli["output_tokens_per_s"]
+        r["x_cli_decode_per_request"] = r["decode_tokens_per_s_per_request"] / base
         r["x_generate"] = r["output_tokens_per_s"] / gen["output_tokens_per_s"] if r["concurrency"] == top else None
     print(f"\n{a.config}: prompt {a.prompt_len} tokens, {a.new_tokens} new tokens per request, one "
           f"{info['backend']} device ({info['cpu_count']} cores, load {info['load_avg_1min']:.1f}), float32; "
-          f"decode CLI (one prompt) decode {base:.1f} tok/s")
+          f"decode CLI (one prompt) decode {base:.1f} tok/s, end to end {cli['output_tokens_per_s']:.1f} tok/s")
     print_table(rows, [("concurrency", "concurrency", "d"), ("requests", "requests", "d"),
                        ("output tok/s", "output_tokens_per_s", ".1f"), ("x CLI", "x_decode_cli", ".2f"),
-                       ("x generate()", "x_generate", ".2f"),
+                       ("x CLI end to end", "x_cli_end_to_end", ".2f"),
+                       ("decode tok/s per request", "decode_tokens_per_s_per_request", ".1f"),
+                       ("x CLI decode", "x_cli_decode_per_request", ".2f"), ("x generate()", "x_generate", ".2f"),
                        ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p99 ms", "ttft_p99_ms", ".0f"),
                        ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
                        ("load before", "load_before", ".1f"), ("load after", "load_after", ".1f")])

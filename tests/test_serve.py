@@ -27,10 +27,12 @@ from helpers import check_greedy
 from lm_eval_client import check_lm_eval
 
 CONTEXT, SLOTS, QUEUE, CHUNK = 96, 8, 8, 16
-# Two decode buckets (the default would compile 1, 2, 4 and 8) and the prefix cache on, in
-# blocks of one chunk (its default size, 1 GiB, holds everything these tests send).
+# Two decode buckets (the default would compile 1, 2, 4 and 8), batched prefills of 2 and 4 prompts
+# (the default adds 8), and the prefix cache on, in blocks of one chunk (its default size, 1 GiB,
+# holds everything these tests send).
 SERVE = [f"max_target_length={CONTEXT}", f"serve_max_batch={SLOTS}", f"serve_max_queue={QUEUE}",
-         f"serve_prefill_chunk={CHUNK}", f"serve_decode_buckets=[2,{SLOTS}]", f"serve_prefix_block={CHUNK}"]
+         f"serve_prefill_chunk={CHUNK}", f"serve_decode_buckets=[2,{SLOTS}]", f"serve_prefix_block={CHUNK}",
+         "serve_prefill_batch=4"]
 GREEDY = dict(temperature=0, logprobs=2, extra_body={"return_tokens_as_token_ids": True})
 
 
