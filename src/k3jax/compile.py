@@ -281,7 +281,8 @@ def run(cfg, out=print) -> dict:
     m = cfg.model
     total, active = counts.param_counts(m)
     platform = mesh.devices.flat[0].platform
-    out(f"topology {topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
+    slices = cfg.compile.compile_topology_num_slices
+    out(f"topology {f'{slices} x ' if slices > 1 else ''}{topo}; mesh {mesh_desc(mesh)}; model {cfg.model_name}: {counts.human(total)} params, "
         f"{counts.human(active)} active; kernels kda={resolve('kda_impl', cfg.kernel.kda_impl, platform)} "
         f"attention={resolve('attention_impl', cfg.kernel.attention_impl, platform)} "
         f"moe={resolve_moe_impl(cfg.kernel.moe_impl, platform)}/{cfg.kernel.moe_mode}/"
