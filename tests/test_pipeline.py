@@ -150,8 +150,7 @@ def test_config_errors_and_aliases(capsys):
         load("ici_stage_parallelism=2", "ici_tensor_parallelism=2")
     with pytest.raises(C.ConfigError, match="vision tower"):
         C.load(C.REPO_CONFIGS / "base.yml", BASE + PIPE + ["vision_enabled=true"])
-    with pytest.raises(C.ConfigError, match="checkpoints of a pipelined run are not yet saved"):
-        C.load(C.REPO_CONFIGS / "base.yml", [x for x in BASE if "checkpointing" not in x] + PIPE)
+    C.load(C.REPO_CONFIGS / "base.yml", [x for x in BASE if "checkpointing" not in x] + PIPE)   # saved in layer order
     cfg = load(*PIPE, "num_pipeline_microbatches=4")
     with pytest.raises(C.ConfigError, match="a batch of 8 rows does not split into 4 microbatches"):
         C.validate(cfg, num_devices=8)        # 2 rows per microbatch over 4 fsdp shards

@@ -74,7 +74,11 @@ class Checkpointer:
 
     def save(self, step: int, params, opt_state, extra, data_iter=None, *, force: bool = False) -> bool:
         """Start saving ``step`` (in the background when async); an earlier save that failed for a
-        reason the user can fix (a full disk) raises CheckpointError here or in ``wait``/``close``."""
+        reason the user can fix (a full disk) raises CheckpointError here or in ``wait``/``close``.
+        When it returns, every array has been copied to host memory (orbax's blocking part does the
+        device-to-host copies of all arrays unless ``save_device_host_concurrent_bytes`` is set, which
+        these handlers do not), so the caller may donate or delete them: the train step does, and so
+        does the permutation back to the pipeline's order (k3jax.train)."""
         import grain
         args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state)}
         if jax.tree.leaves(extra):      # a model without MoE layers has no router biases: no item

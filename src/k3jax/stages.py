@@ -212,3 +212,58 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     if attn_res:
         out["n"] = n0 + int(flags.sum())
     return out, [(a, None) for a in aux]
+
+
+# ---- checkpoints: layer order on disk, stage-major in memory ---------------------------------
+
+def under_periods(path) -> bool:
+    """Whether a tree path runs through a ``periods`` node: the scanned periods' stacked leaves, in
+    the parameters, the router biases / packed experts and the optimizer state's mirrors of them."""
+    return any(isinstance(k, jax.tree_util.DictKey) and k.key == "periods" for k in path)
+
+
+def period_order(num_periods: int, stages: int, to: str) -> np.ndarray:
+    """The gather along the period axis that puts leaves ``to`` "canonical" (layer order) from the
+    pipeline's memory order, or ``to`` "stage_major" from layer order."""
+    order = stage_major(num_periods, stages)
+    if to == "canonical":
+        return np.argsort(order)
+    if to != "stage_major":
+        raise ValueError(f"to={to!r}: 'canonical' or 'stage_major'")
+    return order
+
+
+def reorder_state(tree, stages: int, num_periods: int, to: str):
+    """Every leaf of ``tree`` under a ``periods`` node put in layer order (``to="canonical"``) or the
+    pipeline's memory order (``to="stage_major"``), the other leaves untouched. The moved leaves go
+    through one jit that donates them and keeps each leaf's sharding, so no second copy of the state
+    stays on the devices (jax arrays; the period axis split over ``stage`` makes it an exchange of
+    about (S-1)/S of those bytes across stages). A leaf under ``periods`` whose axis 0 is not
+    ``num_periods`` raises ValueError: it would be written out of layer order."""
+    if stages == 1 or not num_periods:
+        return tree
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    picked = [i for i, (p, _) in enumerate(flat) if under_periods(p)]
+    for i in picked:
+        p, x = flat[i]
+        if not np.shape(x) or np.shape(x)[0] != num_periods:
+            raise ValueError(f"{jax.tree_util.keystr(p)} lies under 'periods' but its shape {np.shape(x)} is not "
+                             f"stacked over the {num_periods} periods on axis 0; it cannot be put in layer order")
+    if not picked:
+        return tree
+    leaves = [x for _, x in flat]
+    moved = [leaves[i] for i in picked]
+    order = period_order(num_periods, stages, to)
+    if all(isinstance(x, jax.Array) for x in moved):
+        permute = jax.jit(_gather, static_argnums=1, donate_argnums=0, out_shardings=[x.sharding for x in moved])
+        moved = permute(moved, tuple(order.tolist()))
+    else:
+        moved = [x[order] for x in moved]
+    for i, x in zip(picked, moved):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _gather(xs, order):
+    idx = np.asarray(order)
+    return [x[idx] for x in xs]

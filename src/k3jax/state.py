@@ -13,6 +13,11 @@ declared (``layers.common.param``). From it:
 State layout: ``{"params": nnx.State of nnx.Param, "rest": nnx.State of RouterBias and Packed
 (MXFP4 experts with ``experts_format=mxfp4``), "opt_state": optax state}`` (``opt_state`` only with an optimizer). Parameters stay nnx Variables
 so their metadata (logical axes, matrix axes) travels with them to the optimizer and the planner.
+
+With pipeline stages the scanned periods' stacked leaves sit stage-major in memory (k3jax.stages);
+checkpoints and ``load_parameters_path`` hold them in layer order whatever the stage count.
+``layer_order`` / ``memory_order`` convert a state between the two, donating what they move;
+``restore_state`` returns memory order, and the train loop converts around each save.
 """
 from __future__ import annotations
 
@@ -27,8 +32,11 @@ from k3jax.checkpoint import (CheckpointError, load_extra, load_packed_experts, 
                               packed_experts_dir, vision_item_dir)
 from k3jax.config import ConfigError
 from k3jax.layers.common import REST, Packed, RouterBias
+from k3jax.layout import layout
 from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
 from k3jax.sharding import param_sharding
+from k3jax.stages import reorder_state
+from k3jax.validation import num_stages
 
 
 def _with_shardings(state, mesh, extend: bool = True):
@@ -143,7 +151,25 @@ def restore_state(cfg, mesh, *, optimizer: bool = False):
         rest = _load_biases(cfg, path, nnx.filter_state(abstract["rest"], RouterBias))
         if jax.tree.leaves(packed):
             rest = nnx.merge_state(rest, load_packed_experts(path, packed))
-    return gdef, *_add_optimizer(cfg, mesh, {"params": params, "rest": rest}, optimizer)
+    # Stored in layer order, read into the pipeline's shardings (the same for either order).
+    state = memory_order(cfg, {"params": params, "rest": rest})
+    return gdef, *_add_optimizer(cfg, mesh, state, optimizer)
+
+
+def _periods(cfg) -> tuple[int, int]:
+    """(stages, scanned periods) of ``cfg``."""
+    return num_stages(cfg), layout(cfg.model, cfg.train.scan_layers).num_periods
+
+
+def layer_order(cfg, state):
+    """``state`` (any of params, rest, opt_state) with the periods' stacked leaves in layer order, as a
+    checkpoint stores them; the moved leaves are donated. Nothing moves without pipeline stages."""
+    return reorder_state(state, *_periods(cfg), to="canonical")
+
+
+def memory_order(cfg, state):
+    """Inverse of ``layer_order``: the periods' leaves back in the pipeline's stage-major order."""
+    return reorder_state(state, *_periods(cfg), to="stage_major")
 
 
 def _load_params(cfg, path, abstract_params):

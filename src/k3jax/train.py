@@ -3,7 +3,9 @@
 The loop around ``k3jax.step`` (the jitted optimizer step): state from ``k3jax.state`` (random init,
 or ``load_parameters_path``), batches from the data pipeline, metrics to stdout / metrics.jsonl /
 TensorBoard, checkpoints. Checkpoints hold params, optimizer state, extra state (router biases) and
-the data iterator, so a killed run resumes with the same batches and losses.
+the data iterator, so a killed run resumes with the same batches and losses. They store the scanned
+periods in layer order at any stage count (``k3jax.state.layer_order``), so a run resumes or
+fine-tunes with another pipeline stage count than the one that saved.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from k3jax.profiler import Profiler
 from k3jax.runtime import record_tokenizer, sync_processes
 from k3jax.feed import host_feed, token_sharding
 from k3jax.sharding import make_mesh, maybe_initialize_distributed
-from k3jax.state import abstract_state, init_state, restore_state
+from k3jax.state import abstract_state, init_state, layer_order, memory_order, restore_state
 from k3jax.step import check_batch, data_iterator, jit_train_step
 
 
@@ -64,10 +66,7 @@ def train(cfg, *, on_step=None) -> dict:
                             async_save=cfg.checkpoint.async_checkpointing)
         last = ckpt.latest_step()
     if last is not None:  # resume: the full state (and the data position) straight into the shardings
-        gdef, abstract, tx = abstract_state(cfg, mesh, optimizer=True)
-        p, o, r, data_restored = ckpt.restore(last, abstract["params"], abstract["opt_state"], abstract["rest"],
-                                              data, data_shards=feed.shards)
-        state = {"params": p, "opt_state": o, "rest": r}
+        gdef, state, tx, data_restored = restore_checkpoint(cfg, mesh, ckpt, last, data, feed.shards)
         print(f"resumed from {run_dir / 'checkpoints' / str(last)} at step {last}")
         if not data_restored:
             _skip_batches(data, last, ckpt.data_process_counts(last), ckpt.saved_data_shards(last), feed.shards)
@@ -96,7 +95,7 @@ def train(cfg, *, on_step=None) -> dict:
         for step in range(start, cfg.train.steps):
             raw = next(data, None)
             if raw is None:   # num_epoch passes are used up
-                _data_ran_out(cfg, step, start, ckpt, state, data, console)
+                state = _data_ran_out(cfg, step, start, ckpt, state, data, console)
                 break
             profiler.before(step)
             batch = put_batch(feed, mesh, raw)
@@ -129,10 +128,10 @@ def train(cfg, *, on_step=None) -> dict:
                 print(("\r" if tty else "") + console.line(rec), flush=True)
             if preemption.due(step + 1):
                 preempted = step + 1
-                _save_on_preemption(ckpt, step + 1, state, data, console, cfg)
+                state = _save_on_preemption(ckpt, step + 1, state, data, console, cfg)
                 break
             if ckpt and ((step + 1) % cfg.checkpoint.checkpoint_period == 0 or step + 1 == cfg.train.steps):
-                _save(ckpt, step + 1, state, data, console, cfg, force=step + 1 == cfg.train.steps)
+                state = _save(ckpt, step + 1, state, data, console, cfg, force=step + 1 == cfg.train.steps)
             if ckpt:
                 console.poll_checkpoints(ckpt.saving())
             t_last = time.perf_counter()   # evaluation, logging and checkpoint time are not step time
@@ -218,19 +217,21 @@ def _skip_batches(data, step: int, saved_counts: list[int], saved_shards, shards
             break
 
 
-def _save_on_preemption(ckpt, step: int, state, data, console, cfg) -> None:
-    """SIGTERM: every process saves the agreed step, waits for the save, and the run exits 143."""
+def _save_on_preemption(ckpt, step: int, state, data, console, cfg):
+    """SIGTERM: every process saves the agreed step, waits for the save, and the run exits 143.
+    -> the state (its arrays are new after a save with pipeline stages: see ``_save``)."""
     t0 = time.perf_counter()
     if ckpt is None:
         print(f"preempted (SIGTERM) at step {step}; checkpointing is off, nothing saved; exiting with status "
               f"{PREEMPTED_EXIT}", flush=True)
-        return
+        return state
     if ckpt.latest_step() != step:
-        ckpt.save(step, state["params"], state["opt_state"], state["rest"], data, force=True)
+        state = save_checkpoint(ckpt, step, state, data, cfg, force=True)
     ckpt.wait()
     console.pending_saves.clear()
     print(f"preempted (SIGTERM): checkpoint {step} saved in {time.perf_counter() - t0:.1f} s in "
           f"{ckpt.directory}; exiting with status {PREEMPTED_EXIT} so the job is restarted", flush=True)
+    return state
 
 
 # Keys beyond the model section that decide the shapes or dtypes of a full training state.
@@ -270,18 +271,45 @@ def compile_train_step(cfg, gdef, tx, state, mesh, rows: int):
         return timed_compile("train step", jit_train_step(cfg, gdef, tx, state), state, batch)
 
 
-def _save(ckpt, step: int, state, data, console, cfg, *, force: bool) -> None:
+def _save(ckpt, step: int, state, data, console, cfg, *, force: bool):
+    """Start saving ``step``; -> the state to go on with."""
     t0 = time.perf_counter()
-    ckpt.save(step, state["params"], state["opt_state"], state["rest"], data, force=force)
+    state = save_checkpoint(ckpt, step, state, data, cfg, force=force)
     console.checkpoint_started(step, t0, cfg.checkpoint.async_checkpointing)
+    return state
 
 
-def _data_ran_out(cfg, step: int, start: int, ckpt, state, data, console) -> None:
-    """num_epoch passes are done before ``steps``: say so, and keep the state reached."""
+def restore_checkpoint(cfg, mesh, ckpt, step: int, data=None, data_shards=None):
+    """-> (graphdef, state, tx, data_restored): the full training state of checkpoint ``step`` read
+    into ``cfg``'s shardings on ``mesh`` and put in the pipeline's memory order (the checkpoint holds
+    layer order, whatever stage count saved it); ``data`` / ``data_shards`` as ``Checkpointer.restore``."""
+    gdef, abstract, tx = abstract_state(cfg, mesh, optimizer=True)
+    p, o, r, data_restored = ckpt.restore(step, abstract["params"], abstract["opt_state"], abstract["rest"],
+                                          data, data_shards=data_shards)
+    return gdef, memory_order(cfg, {"params": p, "opt_state": o, "rest": r}), tx, data_restored
+
+
+def save_checkpoint(ckpt, step: int, state, data, cfg, *, force: bool):
+    """Save ``state`` with the scanned periods in layer order. With pipeline stages the periods'
+    leaves are permuted to layer order just before the save and back right after, each permutation
+    donating its input, so the devices never hold two copies of the state; that is safe because
+    ``Checkpointer.save`` has copied every array to host memory when it returns (async saves
+    included). -> the state in memory order (new arrays when stages > 1, the same ones otherwise)."""
+    state = layer_order(cfg, state)
+    try:
+        ckpt.save(step, state["params"], state["opt_state"], state["rest"], data, force=force)
+    finally:
+        state = memory_order(cfg, state)
+    return state
+
+
+def _data_ran_out(cfg, step: int, start: int, ckpt, state, data, console):
+    """num_epoch passes are done before ``steps``: say so, and keep the state reached (-> it)."""
     print(f"the training data ran out after num_epoch={cfg.data.num_epoch} passes at step {step} of "
           f"{cfg.train.steps}; stopping", flush=True)
     if ckpt and step > start and step % cfg.checkpoint.checkpoint_period:
-        _save(ckpt, step, state, data, console, cfg, force=True)
+        state = _save(ckpt, step, state, data, console, cfg, force=True)
+    return state
 
 
 def _report_sft_fitting(cfg, data) -> None:

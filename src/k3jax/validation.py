@@ -426,11 +426,6 @@ def _validate_pipeline(cfg: Config, num_devices: int | None) -> None:
     if t.attn_res_segment_scan:
         raise ConfigError(f"{name} with attn_res_segment_scan=true: the pipeline runs the flat period scan; set "
                           f"attn_res_segment_scan=false")
-    c = cfg.checkpoint
-    if c.enable_checkpointing or c.load_parameters_path:
-        raise ConfigError(f"{name}: checkpoints of a pipelined run are not yet saved or restored in layer order, "
-                          f"so the pipeline runs without them for now; set enable_checkpointing=false and no "
-                          f"load_parameters_path (decode and serve run with stage 1)")
     if num_devices is not None:
         rows = cfg.global_batch_size(num_devices) // t.gradient_accumulation_steps
         ici, dcn = mesh_shape(cfg, num_devices)

@@ -1,0 +1,151 @@
+"""Checkpoints of pipelined runs stay canonical: saved in layer order at any stage count, so a
+checkpoint moves between stage=2 x fsdp=4 and fsdp=8 (k3jax.train.save_checkpoint /
+restore_checkpoint, k3jax.state.layer_order / memory_order), optimizer state included.
+
+The model is tests/test_pipeline.py's 21-layer tiny K3 (four scanned periods, AttnRes blocks that
+start mid-period), Muon with QK-clip and the router-bias update, f32, dropless MoE.
+
+Tolerances: the stage=2 step reduces in another order than an fsdp=8 step (per-stage FSDP groups of
+4, rows in 2 microbatches), so steps 2 and 3 differ by rounding. Measured (printed; -rP): loss,
+gradient norm and max logit per step within 7.1e-6 relative (step 2's gradient norm); after step 3
+relative RMS 6.9e-8 over the parameters (worst leaf 2.0e-6), 3.7e-7 over the optimizer state (worst
+leaf 1.6e-4: Adam's second moment of a prefix KDA ``A_log``, a squared small gradient) and 0 for the
+router biases (a sign update). Bounds: STEP_TOL 5e-5 per metric, TREE_TOL 1e-5 per tree, LEAF_TOL
+1e-3 per leaf. The permutations themselves are exact and checked bitwise: what the stage=2 run
+saved, read back at stage 1, equals its state put in layer order by ``stages.to_canonical``.
+"""
+import jax
+import numpy as np
+import pytest
+
+from helpers import randomize
+from test_pipeline import B, PIPE, REF, T, load, placed, tree_rel
+
+from k3jax import model as M
+from k3jax import sharding as S
+from k3jax import stages as ST
+from k3jax.checkpoint import Checkpointer, _flat
+from k3jax.state import restore_state
+from k3jax.step import jit_train_step
+from k3jax.train import restore_checkpoint, save_checkpoint
+
+STEP_TOL, TREE_TOL, LEAF_TOL = 5e-5, 1e-5, 1e-3
+STAGES, PERIODS = 2, 4
+_ITEM = {"extra": "rest"}     # checkpoint item -> state entry
+
+
+def host(state):
+    """A state's arrays copied to the host (the device ones may be donated next)."""
+    return jax.device_get(state)
+
+
+def layer_ordered(tree):
+    """Every leaf under a 'periods' node of a host tree put in layer order with stages.to_canonical."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: ST.to_canonical(x, STAGES) if "['periods']" in jax.tree_util.keystr(p) else x, tree)
+
+
+def assert_equal(got, want, what):
+    g, w = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)
+    assert [p for p, _ in g] == [p for p, _ in w], what
+    for (p, a), (_, b) in zip(g, w):
+        np.testing.assert_array_equal(a, b, err_msg=f"{what}: {jax.tree_util.keystr(p)}")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """tests/test_pipeline.py's randomised model (periods in layer order) and a batch of B rows."""
+    model = randomize(M.build(load(*REF), 0), seed=1)
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+             "loss_mask": np.ones((B, T), np.float32)}
+    batch["segment_ids"][1, 9:] = 2                     # a packed second document in one row
+    batch["positions"][1, 9:] -= 9
+    return model, batch
+
+
+def test_reorder_refuses_unstacked_period_leaf():
+    tree = {"params": {"periods": {"w": np.zeros((PERIODS, 3))}, "embed": np.zeros(5)},
+            "opt": ({"periods": {"w": np.zeros((1,))}},)}
+    with pytest.raises(ValueError, match=r"\['periods'\]\['w'\] lies under 'periods' but its shape \(1,\)"):
+        ST.reorder_state(tree, STAGES, PERIODS, to="canonical")
+    moved = ST.reorder_state({"periods": np.arange(PERIODS), "x": np.arange(3)}, STAGES, PERIODS, to="canonical")
+    np.testing.assert_array_equal(moved["periods"], ST.to_canonical(np.arange(PERIODS), STAGES))
+
+
+def test_checkpoint_round_trip_through_stages_equals_fsdp8(weights, tmp_path):
+    """Step 1 at fsdp=8, save; restore at stage=2 x fsdp=4, step 2, save; restore at fsdp=8, step 3:
+    losses, gradient norms, parameters, router biases and optimizer moments equal three uninterrupted
+    fsdp=8 steps. Also: the stage run's save, read at stage 1, is its state in layer order bit for
+    bit, with the same tree as fsdp=8's save; load_parameters_path of an fsdp=8 checkpoint at stage 2
+    is that checkpoint in stage-major order."""
+    canon, batch = weights
+    cfg_r, cfg_p = load(*REF, "per_device_batch_size=2"), load(*PIPE, "per_device_batch_size=2")
+    cfg_load = load(*PIPE, f"load_parameters_path={tmp_path / 'checkpoints' / '1'}")
+    mesh_r, mesh_p = S.make_mesh(cfg_r), S.make_mesh(cfg_p)
+    b_r, b_p = jax.device_put(batch, S.batch_sharding(mesh_r)), jax.device_put(batch, S.batch_sharding(mesh_p))
+
+    _, gdef_r, placed_state, tx_r = placed(cfg_r, canon, optimizer=True)
+    step_r = jit_train_step(cfg_r, gdef_r, tx_r, placed_state)      # one program for every fsdp=8 step
+    start, where = host(placed_state), jax.tree.map(lambda x: x.sharding, placed_state)
+    del placed_state                                        # it may share arrays with the model: not donated
+    state, want = jax.device_put(start, where), []
+    with jax.set_mesh(mesh_r):
+        for _ in range(3):
+            state, m = step_r(state, b_r)
+            want.append(jax.device_get(m))
+    want_state = host(state)
+
+    # Step 1 at fsdp=8, saved as the train loop saves.
+    ckpt = Checkpointer(tmp_path / "checkpoints", with_data=False)
+    state = jax.device_put(start, where)
+    with jax.set_mesh(mesh_r):
+        state, m = step_r(state, b_r)
+    got = [jax.device_get(m)]
+    saved_1 = host(state)
+    save_checkpoint(ckpt, 1, state, None, cfg_r, force=True)
+    ckpt.wait()
+    del state
+
+    # load_parameters_path at stage 2 reads it in stage-major order.
+    _, loaded, _ = restore_state(cfg_load, mesh_p)
+    assert_equal(layer_ordered(host(loaded)), {k: saved_1[k] for k in ("params", "rest")}, "load_parameters_path")
+    del loaded
+
+    # Step 2 at stage=2 x fsdp=4 from the full checkpoint, saved in layer order.
+    gdef_p, state, tx_p, _ = restore_checkpoint(cfg_p, mesh_p, ckpt, 1)
+    with jax.set_mesh(mesh_p):
+        state, m = jit_train_step(cfg_p, gdef_p, tx_p, state)(state, b_p)
+    got.append(jax.device_get(m))
+    stage_state = host(state)
+    state = save_checkpoint(ckpt, 2, state, None, cfg_p, force=True)      # donates, then permutes back
+    ckpt.wait()
+    assert_equal(host(state), stage_state, "the stage run's state after its save")
+    del state
+
+    # Step 3 at fsdp=8: what stage=2 saved is its state in layer order, exactly.
+    gdef_r2, state, _, _ = restore_checkpoint(cfg_r, mesh_r, ckpt, 2)
+    assert_equal(host(state), layer_ordered(stage_state), "checkpoint 2 read at stage 1")
+    for item in ("params", "opt_state", "extra"):     # the same trees as the unpipelined save
+        meta = [{k: (tuple(m.shape), str(m.dtype)) for k, m in _flat(ckpt.mngr.item_metadata(s)[item]).items()}
+                for s in (1, 2)]
+        assert meta[0] == meta[1] and len(meta[0]) == len(jax.tree.leaves(start[_ITEM.get(item, item)])), item
+    with jax.set_mesh(mesh_r):
+        state, m = step_r(state, b_r)
+    got.append(jax.device_get(m))
+    got_state = host(state)
+    ckpt.close()
+
+    assert want[0]["qk_clipped_heads"] > 0                 # QK-clip acts in these steps
+    assert_equal(got[0], want[0], "step 1 metrics")        # the same program on the same state
+    for i, (a, b) in enumerate(zip(got, want)):
+        for key in ("loss", "grad_norm", "max_logit"):
+            d = abs(float(a[key]) - float(b[key])) / abs(float(b[key]))
+            print(f"step {i + 1} {key}: relative difference {d:.2e}")       # shown by -rP
+            assert d <= STEP_TOL, (i + 1, key, a[key], b[key])
+    for part in ("params", "rest", "opt_state"):
+        total, leaves = tree_rel(got_state[part], want_state[part])
+        worst = max(leaves, key=leaves.get)
+        print(f"{part} after 3 steps: relative RMS {total:.2e} over all, worst leaf {worst} {leaves[worst]:.2e}")
+        assert total <= TREE_TOL and leaves[worst] <= LEAF_TOL, (part, total, worst, leaves[worst])
