@@ -145,6 +145,9 @@ def test_concurrent_streams_equal_alone_and_generate(served):
             return ref
         ties += check_greedy(f"request {k} alone vs together", alone_ids, lp.token_logprobs, got.ids, tops)
     assert ties <= 2, f"{ties} of 32 comparisons parted at near ties: the comparison would say little"
+    # alone, a request decodes serve_decode_steps (default 4) tokens per program: the comparisons
+    # above cover those programs against single steps and generate()
+    assert served.engine.multi_steps > 0 and served.engine.p.steps == 4
 
 
 def test_a_request_joins_without_waiting(served):
@@ -366,7 +369,8 @@ def test_wire_round_trip():
     lp = Step.prefill_lp(1, rng.integers(0, 500, 16), 16, 0.0, 0, 1.0, 3, 0, rng.integers(0, 500, 15))
     rows = Step.prefill_rows([2, 0], [rng.integers(0, 500, 16), rng.integers(0, 500, 5)], [0, 48], [0.0, 0.8],
                              [0, 7], [1.0, 0.9], [2**32 - 1, 4], [0, 3])
-    for step in (dec, pre, lp, rows, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
+    multi = Step.decode(*dec.args, kind="decode_steps")
+    for step in (dec, multi, pre, lp, rows, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
         back = w.unpack(w.pack(step))
         assert back.kind == step.kind and len(back.args) == len(step.args)
         for a, b in zip(back.args, step.args):

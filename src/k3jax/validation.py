@@ -72,7 +72,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     if m.mla_use_rope and m.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim}: must be even when mla_use_rope=true")
     sv = cfg.serve
-    for name in ("serve_max_batch", "serve_prefill_chunk", "serve_prefill_batch"):
+    for name in ("serve_max_batch", "serve_prefill_chunk", "serve_prefill_batch", "serve_decode_steps"):
         if getattr(sv, name) <= 0:
             raise ConfigError(f"{name}={getattr(sv, name)}: must be positive")
     if sv.serve_max_queue < 0:

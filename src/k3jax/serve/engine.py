@@ -19,7 +19,10 @@ The scheduler loop, one iteration at a time:
    request's chunks splice its own rows of that output in (``prefill_media``), and the rows are
    freed when the last of those requests has prefilled (or gone);
 4. one decode step for every generating slot at once (``Programs.decode``, in the smallest
-   compiled decode bucket that holds them); the new request joins it at the next iteration.
+   compiled decode bucket that holds them); the new request joins it at the next iteration. While
+   no prompt is queued or prefilling, ``serve_decode_steps`` steps run as one program
+   (``Programs.decode_steps``), each row's tokens then go through the stop checks one by one (a
+   row that stops mid-way drops the rest; its slot is reset anyway).
 
 Each step's work is a ``pod.Step`` (numpy arrays of fixed shapes) sent through ``pod.Link``: in a
 multi-process server process 0 plans the steps and broadcasts each one, and every process runs the
@@ -130,6 +133,7 @@ class Engine:
         # id) for each first token: how tests see that a request joined a running batch.
         self.decode_log: collections.deque = collections.deque(maxlen=10_000)
         self.prefill_log: collections.deque = collections.deque(maxlen=10_000)     # (iteration, ids of one step)
+        self.multi_steps = 0                   # decode_steps programs run (serve_decode_steps tokens each)
         self.first_token_log: collections.deque = collections.deque(maxlen=10_000)
         self.finished_log: collections.deque = collections.deque(maxlen=10_000)   # (id, reason, tokens)
         self.error: BaseException | None = None
@@ -222,7 +226,7 @@ class Engine:
         if prefilling:
             self._prefill(sorted(prefilling, key=lambda r: r.submitted))
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, steady=not prefilling and not self.queue)
         return True
 
     def _drop_cancelled(self) -> list[int]:
@@ -397,7 +401,10 @@ class Engine:
         else:
             self._accept(r, out[0], out[1], out[2], out[3])
 
-    def _decode(self, rows: list[Request]) -> None:
+    def _decode(self, rows: list[Request], steady: bool = False) -> None:
+        """One decode step for ``rows``; ``steady`` (nothing waits to prefill): the programs' several
+        steps in one, when every row has the positions for them and one of them wants more than
+        one token."""
         b = len(self.slots)
         tokens, pos, counters, top_k = (np.zeros(b, np.int32) for _ in range(4))
         seeds = np.zeros(b, np.uint32)
@@ -409,11 +416,18 @@ class Engine:
             last = r.generated[-1] if r.generated else r.prompt[-1]    # a copy's first step: the last prompt token
             tokens[i], pos[i], active[i] = last, len(r.prompt) + len(r.generated) - 1, True
             temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = t, k, p, s, c
+        k = self.p.steps
+        many = (steady and k > 1 and all(pos[r.slot] + k <= self.p.length for r in rows)
+                and any(r.max_tokens - len(r.generated) > 1 for r in rows))
         self.decode_log.append((self.iteration, tuple(sorted(r.id for r in rows))))
-        tok, lp, top_ids, top_lp = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p,
-                                                              seeds, counters))
-        for r in rows:
-            self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
+        self.multi_steps += many
+        out = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p, seeds, counters,
+                                         kind="decode_steps" if many else "decode"))
+        for j in range(k if many else 1):
+            tok, lp, top_ids, top_lp = (o[j] for o in out) if many else out
+            for r in rows:
+                if not r.done:
+                    self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])
 
     def _run_step(self, step: Step):
         return self.link.send(step).run(self.p)

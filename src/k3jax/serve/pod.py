@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
-         "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows")
+         "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows", "decode_steps")
 # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
 INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy", "drop_media")
 
@@ -38,8 +38,9 @@ class Step:
     args: tuple = ()
 
     @classmethod
-    def decode(cls, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        return cls("decode", (np.asarray(tokens, np.int32), np.asarray(pos, np.int32), np.asarray(active, bool),
+    def decode(cls, tokens, pos, active, temperature, top_k, top_p, seeds, counters, kind: str = "decode"):
+        """One decode step (``kind="decode_steps"``: the programs' several steps in one)."""
+        return cls(kind, (np.asarray(tokens, np.int32), np.asarray(pos, np.int32), np.asarray(active, bool),
                               np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
                               np.asarray(top_p, np.float32), np.asarray(seeds, np.uint32),
                               np.asarray(counters, np.int32)))
@@ -98,7 +99,7 @@ class Wire:
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
         out[0] = KINDS.index(step.kind)
-        if step.kind == "decode":
+        if step.kind in ("decode", "decode_steps"):
             tokens, pos, active, temperature, top_k, top_p, seeds, counters = step.args
             cols = [tokens, pos, active.astype(np.int32), _bits(temperature, np.float32), top_k,
                     _bits(top_p, np.float32), _bits(seeds, np.uint32), counters]
@@ -138,10 +139,10 @@ class Wire:
     def unpack(self, arr: np.ndarray) -> Step:
         arr = np.asarray(arr, np.int32)
         kind = KINDS[int(arr[0])]
-        if kind == "decode":
+        if kind in ("decode", "decode_steps"):
             c = arr[2:2 + 8 * self.b].reshape(8, self.b)
             return Step.decode(c[0], c[1], c[2].astype(bool), c[3].view(np.float32), c[4], c[5].view(np.float32),
-                               c[6].view(np.uint32), c[7])
+                               c[6].view(np.uint32), c[7], kind=kind)
         if kind in ("prefill", "prefill_lp"):
             n = int(arr[1])
             h = arr[2:10]

@@ -10,6 +10,10 @@ latent cache region. These programs run on it, each compiled once, ahead of time
   it gathers those slots' rows (padded with idle slots), decodes them and scatters back the KDA
   leaves whole and the MLA leaves' one new position. Idle rows leave their cache untouched: their
   MLA write goes to slot S (dropped) and their KDA leaves are selected back.
+- ``decode_steps[N]`` (``serve_decode_steps`` = K > 1): K decode steps in one program (a scan
+  whose step feeds the token it sampled to the next, each with the next sampling key), for each
+  decode bucket; the engine runs it while no prompt is waiting or prefilling, so a steady batch
+  pays the host's per-step work (dispatch, reading the tokens, streaming them) once per K tokens.
 - ``prefill[C]``: the next C prompt tokens of one slot (``model.extend`` on that row), for each C
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
   request ever triggers a compilation. The chunk's last real token gives the first sampled token.
@@ -116,12 +120,13 @@ class Programs:
     """
 
     def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0,
-                 media=None, prefill_rows: int = 1):
+                 media=None, prefill_rows: int = 1, decode_steps: int = 1):
         """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only.
         ``prefill_rows``: most prompts one prefill step takes (``serve_prefill_batch``)."""
         self.mesh, self.slots, self.length = mesh, slots, length
         self.buckets = prefill_buckets(chunk)
         self.row_sizes = row_buckets(prefill_rows, slots)
+        self.steps = decode_steps           # tokens per decode_steps call
         self.decode_sizes = decode_buckets(slots, decode_sizes)
         # A block as long as the context could never be reused (a hit leaves >= 1 token to prefill).
         self.prefix_block = prefix_block if 0 < prefix_block < length else 0
@@ -146,6 +151,8 @@ class Programs:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         with jax.set_mesh(mesh):
             self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
+            self._decode_k = ({n: self._compile(self._decode_steps_fn, self._decode_args(n)) for n in self.decode_sizes}
+                              if decode_steps > 1 else {})
             self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
             self._prefill_rows = {r: self._compile(self._prefill_rows_fn, self._prefill_rows_args(r))
                                   for r in self.row_sizes}
@@ -239,6 +246,18 @@ class Programs:
             new = out
         tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
         return (tok, *logprobs(logits, tok, self._k(logits))), new
+
+    def _decode_steps_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        """``steps`` decode steps: step j decodes the token step j - 1 sampled, at the next
+        position, with the next key -> outputs [K, N, ...], the new cache."""
+        def step(carry, _):
+            cache, tok, pos, counters = carry
+            out, cache = self._decode_fn(state, cache, idx, tok, pos, active, temperature, top_k, top_p, seeds,
+                                         counters)
+            return (cache, out[0], pos + 1, counters + 1), out
+
+        (cache, *_), out = jax.lax.scan(step, (cache, tokens, pos, counters), length=self.steps)
+        return out, cache
 
     def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter):
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
@@ -388,18 +407,29 @@ class Programs:
         """One decode step for the active slots; every argument is [B]. Runs the smallest decode
         bucket that holds the active slots (padded with idle ones). -> (tokens, logprob, top ids,
         top logprobs) as numpy arrays over the B slots (rows of idle slots are meaningless)."""
+        return self._run_decode(self._decode, tokens, pos, active, temperature, top_k, top_p, seeds, counters)
+
+    def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        """``decode`` for ``steps`` steps in one program (the caller makes sure each active row has
+        that many positions left) -> the same outputs with a leading [K] axis."""
+        return self._run_decode(self._decode_k, tokens, pos, active, temperature, top_k, top_p, seeds, counters,
+                                axis=1)
+
+    def _run_decode(self, programs, tokens, pos, active, temperature, top_k, top_p, seeds, counters, axis=0):
         active = np.asarray(active, bool)
         act = np.flatnonzero(active)
         n = next(b for b in self.decode_sizes if b >= len(act))
         idx = np.sort(np.concatenate([act, np.flatnonzero(~active)[:n - len(act)]])).astype(np.int32)
         args = [self._put(np.asarray(a)[idx]) for a in (tokens, pos, active, temperature, top_k, top_p, seeds,
                                                         counters)]
-        out, self.cache = self._decode[n](self.state, self.cache, self._put(idx), *args)
+        out, self.cache = programs[n](self.state, self.cache, self._put(idx), *args)
         full = []
         for o in out:
             o = self._get(o)
-            f = np.zeros((self.slots, *o.shape[1:]), o.dtype)
-            f[idx] = o
+            shape = list(o.shape)
+            shape[axis] = self.slots
+            f = np.zeros(shape, o.dtype)
+            f[(slice(None),) * axis + (idx,)] = o
             full.append(f)
         return tuple(full)
 
