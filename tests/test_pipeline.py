@@ -14,11 +14,14 @@ leaf; a period run out of order, a stage handed the wrong microbatch or a block 
 layer moves them by 1e-1 or more.
 
 Compiles (the CI cost): the reference's and two pipelined gradient programs, one of them with
-expert parallelism inside the stages, and two train steps; the NaN-bubble run reuses a compiled
-program (the fill is an argument).
+expert parallelism inside the stages; a 37-layer model's reference and its stage=4 program (with
+the weights gathered once; its all-gathers are compared with the stage=2 program's); the two
+train steps run only with K3JAX_SLOW_TESTS=1. The NaN-bubble run reuses a compiled program (the
+fill is an argument).
 """
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -70,19 +73,24 @@ def canonical(tree, stages):
     return dict(tree, periods=ST.to_canonical(tree["periods"], stages)) if stages > 1 else tree
 
 
-@pytest.fixture(scope="module")
-def weights():
-    """The randomised model (periods in layer order) every run starts from, a batch and a cotangent."""
-    model = randomize(M.build(load(*REF), 0), seed=1)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, model.cfg.vocab_size, (B, T + 1)).astype(np.int32)
-    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((B, T), np.int32),
-             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-             "loss_mask": np.ones((B, T), np.float32)}
+def make_weights(*args, seed=1, rows=B):
+    """The randomised model of ``load(*args)`` (periods in layer order) every run starts from, a batch
+    of ``rows`` rows and a cotangent."""
+    model = randomize(M.build(load(*args), 0), seed=seed)
+    rng = np.random.default_rng(seed - 1)
+    tokens = rng.integers(0, model.cfg.vocab_size, (rows, T + 1)).astype(np.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((rows, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy(),
+             "loss_mask": np.ones((rows, T), np.float32)}
     batch["segment_ids"][1, 9:] = 2                     # a packed second document in one row
     batch["positions"][1, 9:] -= 9
-    cot = rng.standard_normal((B, T, model.cfg.hidden_size)).astype(np.float32)
+    cot = rng.standard_normal((rows, T, model.cfg.hidden_size)).astype(np.float32)
     return model, batch, cot
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights(*REF)
 
 
 def placed(cfg, canon_model, *, optimizer=False):
@@ -118,11 +126,11 @@ def grads_program(gdef):
     return jax.jit(f)
 
 
-def run_grads(cfg, weights, fills=(0.0,)):
+def run_grads(cfg, weights, fills=(0.0,), rows=8):
     """-> (mesh, state, compiled program, [(hidden, aux, grads) in layer order, per fill]) on the
-    first 8 rows of the batch."""
+    first ``rows`` rows of the batch."""
     canon, batch, cot = weights
-    batch, cot = {k: v[:8] for k, v in batch.items()}, cot[:8]
+    batch, cot = {k: v[:rows] for k, v in batch.items()}, cot[:rows]
     mesh, gdef, state, _ = placed(cfg, canon)
     stages = mesh.shape.get("stage", 1)
     with jax.set_mesh(mesh):
@@ -139,6 +147,47 @@ def run_grads(cfg, weights, fills=(0.0,)):
 @pytest.fixture(scope="module")
 def reference(weights):
     return run_grads(load(*REF), weights)[3][0]
+
+
+@pytest.fixture(scope="module")
+def stage2(weights):
+    """run_grads at stage=2 x fsdp=4, 2 microbatches, bubble fills 0 and NaN (one compiled program)."""
+    return run_grads(load(*PIPE), weights, fills=(0.0, np.nan))
+
+
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+
+
+def loop_all_gathers(hlo: str) -> tuple[list[str], list[str]]:
+    """The output shapes (e.g. "f32[32,16]") of the all-gathers of a compiled HLO module: (those in a
+    while loop's body or a computation it calls, transitively: executed every iteration; the rest)."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            cur = (line.split()[1] if line.startswith("ENTRY") else line.split()[0]).lstrip("%")
+            comps[cur] = []
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+    bodies = {m.group(1) for ls in comps.values() for l in ls if " while(" in l
+              for m in [re.search(r"body=%?([\w.\-]+)", l)] if m}
+    seen, todo = set(), list(bodies)
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        todo += [n.strip().lstrip("%") for l in comps[c] for m in _CALLS.finditer(l) for n in m.group(1).split(",")]
+    shapes = {c: [m.group(1) for l in ls for m in [re.search(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", l)] if m]
+              for c, ls in comps.items()}
+    return [x for c in seen for x in shapes[c]], [x for c in comps if c not in seen for x in shapes[c]]
+
+
+def period_weight_shapes(model) -> set[str]:
+    """HLO shape strings of one period's weights (the stacked leaves without their period axis)."""
+    return {f"{x.dtype.name.replace('float', 'f').replace('int', 's')}[{','.join(map(str, x.shape[1:]))}]"
+            for x in jax.tree.leaves(nnx.state(model.periods))}
 
 
 def test_config_errors_and_aliases(capsys):
@@ -164,6 +213,31 @@ def test_config_errors_and_aliases(capsys):
     assert "'ici_pipeline_parallelism' is MaxText's name for 'ici_stage_parallelism'" in capsys.readouterr().err
 
 
+def test_refusals_are_one_line():
+    """Each refusal the pipeline makes is one ConfigError line naming the problem and what to do:
+    the config checks, and decode and serve (the server's programs build a decode cache) at stage 2."""
+    from k3jax.serve.programs import Programs
+    cases = [(lambda: load("ici_stage_parallelism=3"), "does not divide the 4 scanned layer periods"),
+             (lambda: load(*PIPE, "num_pipeline_microbatches=5"), "not a multiple of the 2 pipeline stages"),
+             (lambda: C.validate(load(*PIPE, "num_pipeline_microbatches=4"), num_devices=8),
+              "does not split into 4 microbatches"),
+             (lambda: load(*PIPE, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"), "tensor parallelism"),
+             (lambda: load(*PIPE, "vision_enabled=true"), "vision tower"),
+             # stage=2 x context=2 x fsdp=2: XLA (jax 0.12.0) aborts with a CHECK in its SPMD partitioner
+             # (ExpandDeviceGroupsWithIota) on the dropless MoE's token gather in the backward
+             (lambda: load("ici_stage_parallelism=2", "ici_context_parallelism=2", "ici_fsdp_parallelism=2"),
+              "context parallelism is not supported")]
+    model = nnx.eval_shape(lambda: M.build(load(*PIPE), nnx.Rngs(0)))
+    mesh = S.make_mesh(load(*PIPE))
+    cases += [(lambda: model.cache_spec(2, 16), "decode and serve run without pipeline stages"),
+              (lambda: model.decode_step(jnp.zeros((2,), jnp.int32), None, 0, 0), "decode and serve"),
+              (lambda: Programs(model, mesh, slots=2, length=16, chunk=8), "decode and serve")]
+    for make, match in cases:
+        with pytest.raises(C.ConfigError, match=match) as e:
+            make()
+        assert "\n" not in str(e.value), str(e.value)
+
+
 def test_stage_axis_holds_half_the_period_weights():
     """Proof of a pipeline (1/2): at stage=2 each device holds half the scanned periods' bytes of the
     same in-stage layout without stages (data=2 x fsdp=4), and the unrolled layers' bytes are equal."""
@@ -180,11 +254,11 @@ def test_stage_axis_holds_half_the_period_weights():
     assert device_bytes(load(*PIPE), mesh_p, "prefix") == device_bytes(load("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), mesh_d, "prefix")
 
 
-def test_stage2_fsdp4_equals_fsdp8(weights, reference):
+def test_stage2_fsdp4_equals_fsdp8(weights, reference, stage2):
     """Hidden states, MLA max logits, expert loads and every gradient at stage=2 x fsdp=4 with 2
     microbatches equal fsdp=8; bubble inputs filled with NaN change nothing (same compiled
     program); the program permutes activations between the two stages' device groups."""
-    mesh, _, compiled, (zero, nan) = run_grads(load(*PIPE), weights, fills=(0.0, np.nan))
+    mesh, _, compiled, (zero, nan) = stage2
     h0, aux0, g0 = reference
     for name, (h, aux, g) in (("fill 0", zero), ("fill NaN", nan)):
         assert rel(h, h0) <= TOTAL_TOL, (name, rel(h, h0))
@@ -207,6 +281,41 @@ def test_stage2_expert2_fsdp2_equals_fsdp8(weights, reference):
     assert rel(h, h0) <= TOTAL_TOL, rel(h, h0)
     assert_tree_close(g, g0, "gradients")
     assert_tree_close(aux, aux0, "max logits / loads")
+
+
+# A 37-layer model: prefix 0-3, eight periods (layers 4-35), tail MLA layer 36; AttnRes blocks of 10
+# start at layers 10 (mid-period 1), 20 (period 4's first layer: stage 0 on its second repeat) and 30
+# (mid-period 6), so the block of layers 10-19 spans stages 1, 2 and 3.
+L37 = ["num_layers=37", "mla_extra_layers=[36]", "attn_res_block_size=10"]
+
+
+def test_stage4_fsdp2_repeats_8_microbatches_gather_once_equal_fsdp8(weights, stage2):
+    """stage=4 x fsdp=2 with 2 repeats (8 periods on 4 stages) and 8 microbatches (more than stages:
+    stage 0 reads the last stage's hand-back from the circular store) on 48 rows, with
+    ``pipeline_fsdp_ag_once``: hidden states, max logits, loads and every gradient equal fsdp=8.
+    Gathered once, no all-gather of a period weight is left inside the compiled program's loops
+    (they run before the schedule), where the per-microbatch program (stage=2 x fsdp=4) has them."""
+    # 48 rows: a microbatch is 6 rows, 3 per fsdp shard, so its activations' token dimension (96 on a
+    # shard's all-gathers) is no dimension of a weight and the all-gathers below tell the two apart.
+    w = make_weights(*L37, *REF, seed=2, rows=48)
+    pipe = load(*L37, "ici_stage_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=8",
+                "per_device_batch_size=6", "pipeline_fsdp_ag_once=true")
+    C.validate(pipe, num_devices=8)           # 8 microbatches of 6 rows over 2 fsdp shards
+    assert ST.bubble_fraction(4, 8, 2) == 3 / 19
+    _, _, _, ((h0, aux0, g0),) = run_grads(load(*L37, *REF), w, rows=48)
+    _, _, compiled, ((h, aux, g),) = run_grads(pipe, w, rows=48)
+    assert rel(h, h0) <= TOTAL_TOL, rel(h, h0)
+    assert_tree_close(g, g0, "gradients")
+    assert_tree_close(aux, aux0, "max logits / loads")
+
+    weight_shapes = period_weight_shapes(w[0])
+    assert weight_shapes == period_weight_shapes(weights[0])
+    per_mb_in, _ = loop_all_gathers(stage2[2].as_text())
+    once_in, once_out = loop_all_gathers(compiled.as_text())
+    assert len([x for x in per_mb_in if x in weight_shapes]) >= 20, per_mb_in
+    assert not [x for x in once_in if x in weight_shapes], once_in
+    stacked = {re.sub(r"\[", "[2,", x, count=1) for x in weight_shapes}    # a stage's [R=2, ...] slab
+    assert len([x for x in once_out if x in weight_shapes | stacked]) >= 20, once_out
 
 
 @pytest.mark.skipif(not os.environ.get("K3JAX_SLOW_TESTS"), reason=(

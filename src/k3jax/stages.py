@@ -123,18 +123,49 @@ def _aux_finish(acc, microbatches: int):
         lambda p, a: a / microbatches if _kind(p) == "mean" else a, acc)
 
 
+# ---- gathering a stage's weights once (pipeline_fsdp_ag_once) --------------------------------
+
+# The mesh axes a stage's period weights are gathered over: the in-stage data axes that shard them
+# FSDP-style (k3jax.sharding.PARAM_SHARD_AXES); the tensor axis is refused at stage > 1.
+GATHER_AXES = ("fsdp", "context", "expert")
+
+
+def _gathered_specs(state, mesh) -> list[P]:
+    """Per leaf of the periods' state (``jax.tree.leaves`` order), its placement once gathered,
+    without the period axis: the stored placement (k3jax.sharding.param_sharding) with GATHER_AXES
+    dropped. Routed-expert weights keep theirs under expert parallelism: the expert-parallel
+    shard_map takes them split over the expert axis and gathers their model dimension itself."""
+    from k3jax import sharding as S
+    out = []
+    for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        axes = v.get_metadata().get("axes") if isinstance(v, nnx.Variable) else None
+        shape = np.shape(v[...] if isinstance(v, nnx.Variable) else v)
+        if axes is None:
+            raise ValueError(f"a period leaf of shape {shape} declares no logical axes; its gathered placement is unknown")
+        spec = [(() if a is None else (a,) if isinstance(a, str) else tuple(a))
+                for a in S.param_sharding(mesh, shape, axes).spec[1:]]
+        spec += [()] * (len(shape) - 1 - len(spec))
+        if not ("exp" in axes and mesh.shape.get(S.EXPERT_AXIS, 1) > 1):
+            spec = [tuple(a for a in d if a not in GATHER_AXES) for d in spec]
+        out.append(P(*[None if not d else d[0] if len(d) == 1 else d for d in spec]))
+    return out
+
+
 # ---- the pipeline ----------------------------------------------------------------------------
 
 def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
-                     remat: str = "none", policy=None, fill=0.0):
+                     remat: str = "none", policy=None, fill=0.0, gather_once: bool = False):
     """Run the periods of ``model`` (a K3Model with ``stages`` > 1) as the pipeline.
 
     gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
     res: the residual state after the prefix layers (rows B); segment_ids, positions [B, T].
     ``policy``: the remat policy of ``remat`` (``model.REMAT_POLICIES``).
     ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
-    NaN). Returns (res after the last period, [(aux of layer j of the period, None)] with aux leaves
-    stacked [P, ...] in memory order), as the flat scan of ``K3Model._walk`` returns them.
+    NaN). ``gather_once`` (``pipeline_fsdp_ag_once``): each stage all-gathers its period weights
+    over the in-stage parameter axes once, before the schedule (``_gathered_specs``), instead of
+    GSPMD gathering them inside every iteration. Returns (res after the last period, [(aux of layer
+    j of the period, None)] with aux leaves stacked [P, ...] in memory order), as the flat scan of
+    ``K3Model._walk`` returns them.
     """
     n_stages, n_micro, lay = model.stages, model.microbatches, model.layout
     n_periods = lay.num_periods
@@ -158,6 +189,15 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     dtype = micro["partial" if attn_res else "h"].dtype
     fill = jnp.asarray(fill, dtype)
     shift = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+    specs = _gathered_specs(state, mesh) if gather_once else None
+
+    def gathered(st, spec_of):
+        """``st`` pinned to the gathered placement (spec_of: a leaf's spec without the period axis -> its spec)."""
+        if specs is None:
+            return st
+        leaves, tdef = jax.tree.flatten(st)
+        return jax.tree.unflatten(tdef, [jax.lax.with_sharding_constraint(x, spec_of(sp))
+                                         for x, sp in zip(leaves, specs)])
 
     def period(st, x, seg_m, pos_m, fl, n):
         """One period on one microbatch's state x (no n) -> (state, [aux per layer])."""
@@ -173,6 +213,7 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
 
     def stage_fn(st, micro, seg, pos, flag_tab, n_tab, n0, fill):
         s = jax.lax.axis_index(STAGE)
+        st = gathered(st, lambda sp: P(None, *sp))         # this stage's [R, ...] slab, gathered once
         flag_tab, n_tab = flag_tab[0], n_tab[0]            # this stage's [R, period], [R]
         zero = jax.tree.map(lambda x: jnp.zeros_like(x[0]), micro)
         aux_shapes = jax.eval_shape(lambda: period(_take(st, 0), zero, seg[0], pos[0], flag_tab[0], n0)[1])
@@ -192,7 +233,10 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
             first, stored = _take(micro, m), _take(circ, m)
             x = jax.tree.map(lambda a, b, c: jnp.where(valid, jnp.where(s == 0, jnp.where(r == 0, a, b), c), 0),
                              first, stored, recv)
-            y, aux = period(_take(st, r), x, _take(seg, m), _take(pos, m), flag_tab[r], n0 + n_tab[r])
+            # (the gathered placement pinned again on the repeat's slice, so GSPMD keeps it gathered
+            # through the loop rather than re-sharding the slab and gathering per iteration)
+            w = gathered(_take(st, r), lambda sp: sp)
+            y, aux = period(w, x, _take(seg, m), _take(pos, m), flag_tab[r], n0 + n_tab[r])
             acc = _aux_add(acc, aux, r, valid)
             # Outputs of the final M iterations, kept on every stage (the last stage's are read).
             o = jnp.clip(t - last, 0, n_micro - 1)
