@@ -86,25 +86,21 @@ def test_checkpoint_round_trip_through_stages_equals_fsdp8(weights, tmp_path):
     mesh_r, mesh_p = S.make_mesh(cfg_r), S.make_mesh(cfg_p)
     b_r, b_p = jax.device_put(batch, S.batch_sharding(mesh_r)), jax.device_put(batch, S.batch_sharding(mesh_p))
 
-    _, gdef_r, placed_state, tx_r = placed(cfg_r, canon, optimizer=True)
-    step_r = jit_train_step(cfg_r, gdef_r, tx_r, placed_state)      # one program for every fsdp=8 step
-    start, where = host(placed_state), jax.tree.map(lambda x: x.sharding, placed_state)
-    del placed_state                                        # it may share arrays with the model: not donated
-    state, want = jax.device_put(start, where), []
+    # Three uninterrupted fsdp=8 steps; the state after step 1 is saved as the train loop saves it
+    # (the uninterrupted and the interrupted run share that step: one program on one state).
+    _, gdef_r, state, tx_r = placed(cfg_r, canon, optimizer=True)
+    step_r = jit_train_step(cfg_r, gdef_r, tx_r, state)      # one program for every fsdp=8 step
+    ckpt = Checkpointer(tmp_path / "checkpoints", with_data=False)
+    want = []
     with jax.set_mesh(mesh_r):
-        for _ in range(3):
+        for i in range(3):
             state, m = step_r(state, b_r)
             want.append(jax.device_get(m))
+            if i == 0:
+                saved_1 = host(state)
+                state = save_checkpoint(ckpt, 1, state, None, cfg_r, force=True)
     want_state = host(state)
-
-    # Step 1 at fsdp=8, saved as the train loop saves.
-    ckpt = Checkpointer(tmp_path / "checkpoints", with_data=False)
-    state = jax.device_put(start, where)
-    with jax.set_mesh(mesh_r):
-        state, m = step_r(state, b_r)
-    got = [jax.device_get(m)]
-    saved_1 = host(state)
-    save_checkpoint(ckpt, 1, state, None, cfg_r, force=True)
+    got = want[:1]
     ckpt.wait()
     del state
 
@@ -130,7 +126,7 @@ def test_checkpoint_round_trip_through_stages_equals_fsdp8(weights, tmp_path):
     for item in ("params", "opt_state", "extra"):     # the same trees as the unpipelined save
         meta = [{k: (tuple(m.shape), str(m.dtype)) for k, m in _flat(ckpt.mngr.item_metadata(s)[item]).items()}
                 for s in (1, 2)]
-        assert meta[0] == meta[1] and len(meta[0]) == len(jax.tree.leaves(start[_ITEM.get(item, item)])), item
+        assert meta[0] == meta[1] and len(meta[0]) == len(jax.tree.leaves(saved_1[_ITEM.get(item, item)])), item
     with jax.set_mesh(mesh_r):
         state, m = step_r(state, b_r)
     got.append(jax.device_get(m))
@@ -138,7 +134,6 @@ def test_checkpoint_round_trip_through_stages_equals_fsdp8(weights, tmp_path):
     ckpt.close()
 
     assert want[0]["qk_clipped_heads"] > 0                 # QK-clip acts in these steps
-    assert_equal(got[0], want[0], "step 1 metrics")        # the same program on the same state
     for i, (a, b) in enumerate(zip(got, want)):
         for key in ("loss", "grad_norm", "max_logit"):
             d = abs(float(a[key]) - float(b[key])) / abs(float(b[key]))
