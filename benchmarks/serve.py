@@ -256,6 +256,8 @@ def main(argv=None):
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--prefix-requests", type=int, default=8)
     p.add_argument("--prefix-new-tokens", type=int, default=8)
+    p.add_argument("--server-args", nargs="*", default=[], help="more key=value settings of the load-level server "
+                   "(e.g. serve_prefill_batch=16)")
     p.add_argument("--out", default=result_path("serve"))
     a = p.parse_args(argv)
     import openai
@@ -289,7 +291,7 @@ def main(argv=None):
     gen = generate_batch(args, prompts[:top], a.new_tokens)
     print(f"generate() batch {top}: {gen['output_tokens_per_s']:.1f} output tok/s (prefill {gen['prefill_s']:.2f} s, "
           f"decode {gen['decode_s']:.2f} s, load {gen['load_before']:.1f} -> {gen['load_after']:.1f})", flush=True)
-    proc, port = start_server(args, top, context, a.prefill_chunk, os.path.join(work, "server.log"))
+    proc, port = start_server(args, top, context, a.prefill_chunk, os.path.join(work, "server.log"), a.server_args)
     rows = []
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
