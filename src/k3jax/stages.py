@@ -85,12 +85,6 @@ def _row_axis(name: str) -> int:
     return 1 if name == "blocks" else 0     # blocks [NB, B, T, D]; partial / h [B, T, D]
 
 
-def _pin(x, name: str, lead: int):
-    """A microbatch-state buffer (``lead`` leading buffer axes) pinned to the rows' sharding."""
-    from k3jax.sharding import constrain
-    return constrain(x, (None,) * (lead + _row_axis(name)) + ("batch", "seq", "act_embed"))
-
-
 def _take(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
@@ -250,12 +244,8 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
                 b, jnp.where(t >= last, v, jax.lax.dynamic_index_in_dim(b, o, 0, keepdims=False)), o, 0), outs, y)
             return (jax.lax.ppermute(y, STAGE, shift), circ, outs, acc), None
 
-        # The hand-off, circular and output buffers are pinned to the activations' row sharding: born
-        # from jnp.full inside the stage-manual region, GSPMD otherwise may hold them unsharded over
-        # the in-stage batch axes (every device all of a stage's rows).
-        buffers = {k: _pin(jnp.full((n_micro,) + z.shape, fill, z.dtype), k, 1) for k, z in zero.items()}
-        recv0 = {k: _pin(jnp.full_like(z, fill), k, 0) for k, z in zero.items()}
-        carry = (recv0, buffers, buffers, _aux_init(aux_shapes, repeats))
+        buffers = jax.tree.map(lambda z: jnp.full((n_micro,) + z.shape, fill, z.dtype), zero)
+        carry = (jax.tree.map(lambda z: jnp.full_like(z, fill), zero), buffers, buffers, _aux_init(aux_shapes, repeats))
         (_, _, outs, acc), _ = jax.lax.scan(iteration, carry, jnp.arange(last + n_micro))
         return jax.tree.map(lambda y: y[None], outs), _aux_finish(acc, n_micro)
 
