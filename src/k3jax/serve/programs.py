@@ -446,7 +446,8 @@ class Programs:
         (tokens [R], logprobs [R], top ids [R, K], top logprobs [R, K]) in the slots' order."""
         n, c = len(slots), self.buckets[-1]
         r = next(b for b in self.row_sizes if b >= n)
-        idle = [s for s in range(self.slots) if s not in set(int(x) for x in slots)][:r - n]
+        busy = {int(x) for x in slots}
+        idle = [s for s in range(self.slots) if s not in busy][:r - n]
         idx = np.array([*slots, *idle], np.int32)
         padded = np.zeros((r, c), np.int32)
         length = np.ones(r, np.int32)
