@@ -5,6 +5,9 @@ paying the imports again. The backend is never initialised here, only in the chi
 
 Child protocol (stdout): ``pid N`` (from the parent), ``ready S`` after opening DIR (S = the latest
 step found), ``committed S`` once step S is on disk (the wait before the next save returned).
+Each line goes out in one ``os.write`` (atomic on a pipe): with ``PYTHONUNBUFFERED`` a ``print`` writes
+the text and its newline separately, and a SIGKILL between the two glued "committed 17" to the
+parent's next "pid N".
 Step s holds arrays filled with s and a grain iterator advanced s times, so a restore can tell
 a complete step from a torn one.
 """
@@ -31,24 +34,28 @@ def data_iter():
                          prefetch=1)
 
 
+def say(line: str) -> None:
+    os.write(1, (line + "\n").encode())
+
+
 def child(directory: str) -> None:
     ckpt = Checkpointer(directory, max_to_keep=3, async_save=True)
     step = ckpt.latest_step() or 0
     it = data_iter()
     for _ in range(step):
         next(it)
-    print(f"ready {step}", flush=True)
+    say(f"ready {step}")
     while True:
         step += 1
         next(it)
         ckpt.save(step, *state(step), it)
         ckpt.wait()
-        print(f"committed {step}", flush=True)
+        say(f"committed {step}")
 
 
 def main() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # killed children are reaped at once
-    print("zygote ready", flush=True)
+    say("zygote ready")
     for line in sys.stdin:
         cmd, directory = line.split()
         assert cmd == "fork"
@@ -59,7 +66,7 @@ def main() -> None:
                 child(directory)
             finally:
                 os._exit(1)
-        print(f"pid {pid}", flush=True)
+        say(f"pid {pid}")
 
 
 if __name__ == "__main__":
