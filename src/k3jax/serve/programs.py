@@ -12,7 +12,8 @@ latent cache region. These programs run on it, each compiled once, ahead of time
   MLA write goes to slot S (dropped) and their KDA leaves are selected back.
 - ``decode_steps[N]`` (``serve_decode_steps`` = K > 1): K decode steps in one program (a scan
   whose step feeds the token it sampled to the next, each with the next sampling key), for each
-  decode bucket; the engine runs it while no prompt is waiting or prefilling, so a steady batch
+  decode bucket, gathering the rows once before the K steps and scattering them once after; the
+  engine runs it while no prompt is waiting or prefilling, so a steady batch
   pays the host's per-step work (dispatch, reading the tokens, streaming them) once per K tokens.
 - ``prefill[C]``: the next C prompt tokens of one slot (``model.extend`` on that row), for each C
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
@@ -225,39 +226,56 @@ class Programs:
             out.append(n)
         return out
 
-    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        """Decode the N slots ``idx`` (sorted; all B slots in order for the largest bucket)."""
+    def _gather(self, cache, idx):
+        """The rows ``idx`` of every cache leaf (the cache itself when ``idx`` is every slot)."""
+        if len(idx) == self.slots:
+            return cache
+        return [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
+
+    def _scatter(self, cache, idx, rows, write):
+        """``rows`` (of slots ``idx``) back into the cache: the KDA leaves whole, the MLA leaves only
+        at the positions ``write`` [N, K] (the K tokens just decoded; past the end for an idle row)."""
+        if len(idx) == self.slots:
+            return rows
+        n, out = len(idx), []
+        for x, v, ax, rec in zip(cache, rows, self._batch_axis, self._recurrent):
+            lead = (slice(None),) * ax
+            if rec:
+                out.append(x.at[lead + (idx,)].set(v.astype(x.dtype)))
+            else:
+                tok = v[lead + (jnp.arange(n)[:, None], jnp.minimum(write, self.length - 1))]
+                out.append(x.at[lead + (idx[:, None], write)].set(tok.astype(x.dtype), mode="drop"))
+        return out
+
+    def _decode_rows(self, state, rows, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        """One decode step on gathered rows -> ((tokens, logprob, top ids, top logprobs), new rows)."""
         n = tokens.shape[0]
         write = jnp.where(active, pos, self.length)                # idle rows write past the end
-        whole = n == self.slots
-        rows = cache if whole else [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
         tree = jax.tree.unflatten(self._tdef, rows)
         logits, new = self._model(state).decode_step(tokens, tree, write, jnp.zeros((n,), jnp.int32))
         new = self._rows(jax.tree.leaves(new), rows, active)
-        if not whole:   # scatter back: KDA leaves whole, MLA leaves only the one new position
-            out = []
-            for x, v, ax, rec in zip(cache, new, self._batch_axis, self._recurrent):
-                lead = (slice(None),) * ax
-                if rec:
-                    out.append(x.at[lead + (idx,)].set(v.astype(x.dtype)))
-                else:
-                    tok = v[lead + (jnp.arange(n), jnp.minimum(write, self.length - 1))]
-                    out.append(x.at[lead + (idx, write)].set(tok.astype(x.dtype), mode="drop"))
-            new = out
         tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
         return (tok, *logprobs(logits, tok, self._k(logits))), new
 
+    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+        """Decode the N slots ``idx`` (sorted; all B slots in order for the largest bucket)."""
+        out, rows = self._decode_rows(state, self._gather(cache, idx), tokens, pos, active, temperature, top_k,
+                                      top_p, seeds, counters)
+        write = jnp.where(active, pos, self.length)[:, None]
+        return out, self._scatter(cache, idx, rows, write)
+
     def _decode_steps_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
         """``steps`` decode steps: step j decodes the token step j - 1 sampled, at the next
-        position, with the next key -> outputs [K, N, ...], the new cache."""
+        position, with the next key -> outputs [K, N, ...], the new cache. The rows are gathered
+        once before the steps and scattered back once after them."""
         def step(carry, _):
-            cache, tok, pos, counters = carry
-            out, cache = self._decode_fn(state, cache, idx, tok, pos, active, temperature, top_k, top_p, seeds,
-                                         counters)
-            return (cache, out[0], pos + 1, counters + 1), out
+            rows, tok, pos, counters = carry
+            out, rows = self._decode_rows(state, rows, tok, pos, active, temperature, top_k, top_p, seeds, counters)
+            return (rows, out[0], pos + 1, counters + 1), out
 
-        (cache, *_), out = jax.lax.scan(step, (cache, tokens, pos, counters), length=self.steps)
-        return out, cache
+        (rows, *_), out = jax.lax.scan(step, (self._gather(cache, idx), tokens, pos, counters), length=self.steps)
+        write = jnp.where(active[:, None], pos[:, None] + jnp.arange(self.steps), self.length)
+        return out, self._scatter(cache, idx, rows, write)
 
     def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter):
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
