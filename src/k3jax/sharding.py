@@ -109,6 +109,15 @@ def _with_stage(spec: P, names: Sequence[str | None], mesh) -> P:
     return P(*entries)
 
 
+def stage_rows(axes: Sequence[str], mesh) -> tuple[str, ...]:
+    """The mesh axes splitting the rows of an activation for a shard_map kernel that names them
+    itself (the MoE expert-parallel dispatch): ``axes`` led by the stage axis where GSPMD places it,
+    as ``_with_stage`` lays out the rows outside the pipeline. Without it the unrolled prefix/tail
+    layers' kernels take their rows replicated over ``stage`` and GSPMD gathers the whole global
+    batch onto every device (the shape of K3's bf16[2, 4194304, 7168] buffers at dcn_stage=2)."""
+    return ((STAGE_AXIS,) if _stage_auto(mesh) else ()) + tuple(axes)
+
+
 def logical_sharding(mesh: Mesh, names: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(mesh, _with_stage(logical_to_spec(names), names, mesh))
 

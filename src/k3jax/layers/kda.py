@@ -38,8 +38,10 @@ class KDA(nnx.Module):
         # pre-activation with A_log and dt_bias instead of g (config.validate allows it only with
         # kda_gate=bounded).
         self.fused_gate = kcfg.kda_impl == "tokamax"
+        # Rows over ``stage`` too where it is not manual (the unrolled layers outside the pipeline,
+        # S.stage_rows); shard_kda keeps only the free axes, so inside the pipeline it drops out.
         self.core = get_kda_fn(kcfg.kda_impl, chunk_size=kcfg.kda_chunk_size, interpret=kcfg.pallas_interpret,
-                               batch_axes=S.BATCH_AXES, head_axis=S.HEAD_AXIS,
+                               batch_axes=(S.STAGE_AXIS, *S.BATCH_AXES), head_axis=S.HEAD_AXIS,
                                lower_bound=cfg.kda_gate_lower_bound if cfg.kda_gate == "bounded" else None,
                                max_num_segments=kcfg.kda_tokamax_max_segments)
         self.cp_strategy = kcfg.context_parallel_strategy

@@ -122,8 +122,9 @@ class MoE(nnx.Module):
             # F stays sharded over the tensor axis (expert x tensor parallelism), never gathered.
             ffn_axis = S.EXPERT_FFN_AXIS if mesh.shape.get(S.EXPERT_FFN_AXIS, 1) > 1 else None
             # Rows in the layout the flattened [B, T] tokens already have (sequence slices are
-            # token shards); axes a hand-built mesh lacks are left out.
-            rows = tuple(a for a in S.MOE_ROW_AXES if a in mesh.shape)
+            # token shards), led by ``stage`` outside the pipeline (S.stage_rows: the unrolled
+            # prefix/tail layers); axes a hand-built mesh lacks are left out.
+            rows = tuple(a for a in S.stage_rows(S.MOE_ROW_AXES, mesh) if a in mesh.shape)
             r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
                                     ffn_axis=ffn_axis, row_axes=rows,
                                     token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=impl,
