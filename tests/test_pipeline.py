@@ -307,6 +307,30 @@ def test_stage2_expert2_fsdp2_gather_once_equals_fsdp8(weights, reference, stage
     assert not [x for x in once_in + once_out if x in whole], sorted(set(once_in + once_out) & whole)
 
 
+@pytest.mark.parametrize("impl,most_rows", [("tokamax", 0), ("vocab_parallel", B // 2)])
+def test_losses_keep_rows_split_over_stage(impl, most_rows):
+    """The loss runs outside the pipeline, where the rows are split over stage too: its shard_map
+    kernels name stage among their row axes, so the gradient program of tokamax's loss all-gathers
+    no hidden rows and vocab_parallel's only one stage's rows of its vocabulary group (without
+    stage: [4, T, D] over stage for tokamax, the whole batch [16, T, D] for vocab_parallel)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.step import make_loss
+    cfg = load(*PIPE, "vocab_size=2048", f"loss_impl={impl}")     # tokamax's XLA loss: V a multiple of 2048
+    mesh, loss, d = S.make_mesh(cfg), make_loss(cfg), cfg.model.hidden_size
+    rows = NamedSharding(mesh, P(("stage", "data", "fsdp", "expert")))
+
+    def grads(h, w, targets, mask):
+        return jax.grad(lambda h, w: loss(h, w, targets, mask)[0], argnums=(0, 1))(h, w)
+    with jax.set_mesh(mesh):
+        args = (jax.ShapeDtypeStruct((B, T, d), jnp.float32, sharding=rows),
+                jax.ShapeDtypeStruct((d, 2048), jnp.float32, sharding=NamedSharding(mesh, P())),
+                jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=rows))
+        hlo = jax.jit(grads).lower(*args).compile().as_text()
+    gathered = [int(m.group(1)) for m in re.finditer(rf"= f32\[(\d+),{T},{d}\]\S* all-gather(?:-start)?\(", hlo)]
+    assert max(gathered, default=0) <= most_rows, (impl, gathered)
+
+
 # A 37-layer model: prefix 0-3, eight periods (layers 4-35), tail MLA layer 36; AttnRes blocks of 10
 # start at layers 10 (mid-period 1), 20 (period 4's first layer: stage 0 on its second repeat) and 30
 # (mid-period 6), so the block of layers 10-19 spans stages 1, 2 and 3.

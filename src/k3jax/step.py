@@ -20,7 +20,7 @@ from k3jax.layers.common import REST
 from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_impl, tokamax_context,
                         tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim import qk_clip
-from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES
+from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, stage_rows
 
 
 # ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
@@ -77,20 +77,23 @@ def make_loss(cfg):
     ``loss_impl`` (k3jax.loss). With tokamax, ``correct`` is a 0 placeholder (no logits formed)."""
     if cfg.kernel.loss_impl == "tokamax":
         def fn(h, w, targets, mask):
-            # rows split over the batch, context and tensor axes (loss.tokamax_cross_entropy)
+            # rows split over the batch (led by stage: the loss runs outside the pipeline), context and
+            # tensor axes (loss.tokamax_cross_entropy)
+            rows = stage_rows(BATCH_AXES, jax.sharding.get_abstract_mesh())
             return tokamax_cross_entropy(h, w, targets, mask, implementation=tokamax_implementation(target_platform()),
-                                         row_axes=(*BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS))
+                                         row_axes=(*rows, CONTEXT_AXIS, HEAD_AXIS))
         return fn
     if cfg.kernel.loss_impl == "vocab_parallel":
         def fn(h, w, targets, mask):
             # the vocabulary group is picked per traced shape (a micro-batch has fewer rows)
             mesh = jax.sharding.get_abstract_mesh()
+            rows = () if mesh.empty else stage_rows(BATCH_AXES, mesh)     # stage too: outside the pipeline
             axes = () if mesh.empty else choose_vocab_axes(
-                mesh, h.shape[0], h.shape[1], w.shape[1], batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS,
+                mesh, h.shape[0], h.shape[1], w.shape[1], batch_axes=rows, seq_axis=CONTEXT_AXIS,
                 candidates=VOCAB_PARALLEL_AXES)
             return vocab_parallel_cross_entropy(h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size,
                                                 z_loss_weight=cfg.train.z_loss_weight, vocab_axes=axes,
-                                                batch_axes=BATCH_AXES, seq_axis=CONTEXT_AXIS)
+                                                batch_axes=rows or BATCH_AXES, seq_axis=CONTEXT_AXIS)
         return fn
     return lambda h, w, targets, mask: chunked_cross_entropy(
         h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight,
