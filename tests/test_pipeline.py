@@ -192,6 +192,19 @@ def period_weight_shapes(model) -> set[str]:
             for x in jax.tree.leaves(nnx.state(model.periods))}
 
 
+def assert_gathered_once(per_microbatch, once, weight_shapes) -> tuple[list[str], list[str]]:
+    """The per-microbatch program gathers period weights inside its loops; the gathered-once program
+    none there, and at least as many before them (a stage's [R=2, ...] slab or single periods).
+    -> the gathered-once program's (in-loop, outside) all-gather shapes."""
+    per_mb_in, _ = loop_all_gathers(per_microbatch.as_text())
+    once_in, once_out = loop_all_gathers(once.as_text())
+    assert len([x for x in per_mb_in if x in weight_shapes]) >= 20, per_mb_in
+    assert not [x for x in once_in if x in weight_shapes], once_in
+    stacked = {re.sub(r"\[", "[2,", x, count=1) for x in weight_shapes}
+    assert len([x for x in once_out if x in weight_shapes | stacked]) >= 20, once_out
+    return once_in, once_out
+
+
 def test_config_errors_and_aliases(capsys):
     with pytest.raises(C.ConfigError, match="stage parallelism 3 .* does not divide the 4 scanned layer periods"):
         load("ici_stage_parallelism=3")
@@ -291,13 +304,7 @@ def test_stage2_expert2_fsdp2_gather_once_equals_fsdp8(weights, reference, stage
     assert_tree_close(g, g0, "gradients")
     assert_tree_close(aux, aux0, "max logits / loads")
 
-    weight_shapes = period_weight_shapes(weights[0])
-    per_mb_in, _ = loop_all_gathers(stage2[2].as_text())
-    once_in, once_out = loop_all_gathers(compiled.as_text())
-    assert len([x for x in per_mb_in if x in weight_shapes]) >= 20, per_mb_in
-    assert not [x for x in once_in if x in weight_shapes], once_in
-    stacked = {re.sub(r"\[", "[2,", x, count=1) for x in weight_shapes}    # a stage's [R=2, ...] slab
-    assert len([x for x in once_out if x in weight_shapes | stacked]) >= 20, once_out
+    once_in, once_out = assert_gathered_once(stage2[2], compiled, period_weight_shapes(weights[0]))
     # Outside the pipeline (prefix layers 0-3, tail layer 20) the rows are split over stage too: the
     # MoE dispatch and KDA shard_maps name it, so no all-gather brings every token of the batch
     # (B x T = 256) to a device at the hidden or latent width (before, 7 of each: the MoE weight
@@ -361,12 +368,7 @@ def test_stage4_fsdp2_repeats_8_microbatches_gather_once_equal_fsdp8(weights, st
 
     weight_shapes = period_weight_shapes(w[0])
     assert weight_shapes == period_weight_shapes(weights[0])
-    per_mb_in, _ = loop_all_gathers(stage2[2].as_text())
-    once_in, once_out = loop_all_gathers(compiled.as_text())
-    assert len([x for x in per_mb_in if x in weight_shapes]) >= 20, per_mb_in
-    assert not [x for x in once_in if x in weight_shapes], once_in
-    stacked = {re.sub(r"\[", "[2,", x, count=1) for x in weight_shapes}    # a stage's [R=2, ...] slab
-    assert len([x for x in once_out if x in weight_shapes | stacked]) >= 20, once_out
+    assert_gathered_once(stage2[2], compiled, weight_shapes)
 
 
 @pytest.mark.skipif(not os.environ.get("K3JAX_SLOW_TESTS"), reason=(
