@@ -112,10 +112,10 @@ def _with_stage(spec: P, names: Sequence[str | None], mesh) -> P:
 def stage_rows(axes: Sequence[str], mesh) -> tuple[str, ...]:
     """The mesh axes splitting the rows of an activation for a shard_map kernel that names them
     itself (the MoE expert-parallel dispatch, the tokamax and vocab-parallel losses): ``axes`` led
-    by the stage axis where GSPMD places it,
-    as ``_with_stage`` lays out the rows outside the pipeline. Without it the unrolled prefix/tail
-    layers' kernels take their rows replicated over ``stage`` and GSPMD gathers the whole global
-    batch onto every device (the shape of K3's bf16[2, 4194304, 7168] buffers at dcn_stage=2)."""
+    by the stage axis where GSPMD places it, as ``_with_stage`` lays out the rows outside the
+    pipeline. Without it the unrolled prefix/tail layers' kernels and the loss take their rows
+    replicated over ``stage`` and GSPMD gathers the whole global batch onto every device (K3's
+    bf16[2, 4194304, 7168] buffers at dcn_stage=2)."""
     return ((STAGE_AXIS,) if _stage_auto(mesh) else ()) + tuple(axes)
 
 

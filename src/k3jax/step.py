@@ -87,13 +87,13 @@ def make_loss(cfg):
         def fn(h, w, targets, mask):
             # the vocabulary group is picked per traced shape (a micro-batch has fewer rows)
             mesh = jax.sharding.get_abstract_mesh()
-            rows = () if mesh.empty else stage_rows(BATCH_AXES, mesh)     # stage too: outside the pipeline
+            rows = stage_rows(BATCH_AXES, mesh)           # led by stage: the loss runs outside the pipeline
             axes = () if mesh.empty else choose_vocab_axes(
                 mesh, h.shape[0], h.shape[1], w.shape[1], batch_axes=rows, seq_axis=CONTEXT_AXIS,
                 candidates=VOCAB_PARALLEL_AXES)
             return vocab_parallel_cross_entropy(h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size,
                                                 z_loss_weight=cfg.train.z_loss_weight, vocab_axes=axes,
-                                                batch_axes=rows or BATCH_AXES, seq_axis=CONTEXT_AXIS)
+                                                batch_axes=rows, seq_axis=CONTEXT_AXIS)
         return fn
     return lambda h, w, targets, mask: chunked_cross_entropy(
         h, w, targets, mask, chunk=cfg.kernel.loss_chunk_size, z_loss_weight=cfg.train.z_loss_weight,
