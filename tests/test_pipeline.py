@@ -14,9 +14,10 @@ leaf; a period run out of order, a stage handed the wrong microbatch or a block 
 layer moves them by 1e-1 or more.
 
 Compiles (the CI cost): the reference's and two pipelined gradient programs on the batch's 16 rows:
-stage=2 x fsdp=4 with 4 microbatches (more than stages: the circular store), and stage=2 x expert=2
-x fsdp=2 with expert parallelism inside the stages and the weights gathered once (its all-gathers
-are compared with the first program's). The NaN-bubble run reuses a compiled program (the fill is
+stage=2 x fsdp=4 with 4 microbatches (more than stages: the circular store) and the AttnRes block
+cache, and stage=2 x expert=2 x fsdp=2 with expert parallelism inside the stages, the weights
+gathered once (its all-gathers are compared with the first program's) and no block cache (its hops
+with the first's). The NaN-bubble run reuses a compiled program (the fill is
 an argument). With K3JAX_SLOW_TESTS=1 also: a 37-layer model at stage=4 (its reference and its
 program, 211 s of the 2-core CI host) and three train steps.
 """
@@ -205,6 +206,13 @@ def assert_gathered_once(per_microbatch, once, weight_shapes) -> tuple[list[str]
     return once_in, once_out
 
 
+def hop_sizes(compiled) -> list[int]:
+    """Element counts of the pipeline's stage hand-offs in a compiled program: the operands of the
+    ``ppermute`` collective-permutes (forward, and their transposes in the backward)."""
+    found = re.findall(r"^\s*%ppermute[.\d]* = \w+\[([\d,]*)\]", compiled.as_text(), re.M)
+    return [math.prod(int(d) for d in dims.split(",") if d) for dims in found]
+
+
 def test_config_errors_and_aliases(capsys):
     with pytest.raises(C.ConfigError, match="stage parallelism 3 .* does not divide the 4 scanned layer periods"):
         load("ici_stage_parallelism=3")
@@ -274,7 +282,7 @@ def test_stage2_fsdp4_equals_fsdp8(weights, reference, stage2):
     microbatches (stage 0 takes the last stage's hand-back of the first two from the circular
     store for their second repeat) equal fsdp=8; bubble inputs filled with NaN change nothing
     (same compiled program); the program permutes activations between the two stages' device
-    groups."""
+    groups, each hop the partial sum and one block (the block cache)."""
     mesh, _, compiled, (zero, nan) = stage2
     h0, aux0, g0 = reference
     for name, (h, aux, g) in (("fill 0", zero), ("fill NaN", nan)):
@@ -288,21 +296,30 @@ def test_stage2_fsdp4_equals_fsdp8(weights, reference, stage2):
     pairs = {f"{{{a},{b}}}" for a, b in zip(groups[0], groups[1])} | {f"{{{b},{a}}}" for a, b in zip(*groups)}
     permutes = [l for l in hlo.splitlines() if "collective-permute" in l and "source_target_pairs" in l]
     assert any(all(p in l for p in pairs) for l in permutes), "no collective-permute between the stages"
+    # The block cache (default): a hop carries the partial sum and the one block the next stage has
+    # not seen ([1 row, T, D] each per device), not the buffer of 4 blocks (the run without it below)
+    shard = B // 4 // 4 * T * zero[0].shape[-1]         # a microbatch's rows over fsdp=4
+    assert hop_sizes(compiled) == [shard] * 4, hop_sizes(compiled)
 
 
 def test_stage2_expert2_fsdp2_gather_once_equals_fsdp8(weights, reference, stage2):
     """The expert-parallel MoE shard_map nested inside the pipeline's shard_map over stage, with
-    ``pipeline_fsdp_ag_once``: hidden states, max logits, loads and every gradient equal fsdp=8.
+    ``pipeline_fsdp_ag_once``, and without the block cache (``pipeline_attn_res_cache=false``): hidden
+    states, max logits, loads and every gradient equal fsdp=8, as with it (stage=2 x fsdp=4).
     Gathered once, no all-gather of a period weight is left inside the compiled program's loops
     (they run before the schedule), where the per-microbatch program (stage=2 x fsdp=4) has them."""
     cfg = load("ici_stage_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
-               "per_device_batch_size=2", "pipeline_fsdp_ag_once=true")
+               "per_device_batch_size=2", "pipeline_fsdp_ag_once=true", "pipeline_attn_res_cache=false")
     C.validate(cfg, num_devices=8)
     _, _, compiled, ((h, aux, g),) = run_grads(cfg, weights)
     h0, aux0, g0 = reference
     assert rel(h, h0) <= TOTAL_TOL, rel(h, h0)
     assert_tree_close(g, g0, "gradients")
     assert_tree_close(aux, aux0, "max logits / loads")
+    # Without the block cache a hop carries the whole buffer [NB=4, mb, T, D] beside the partial sum
+    shard = B // 2 // 4 * T * h.shape[-1]                # a microbatch's rows over expert x fsdp = 4
+    nb = len(weights[0].cfg.attn_res_block_starts)
+    assert sorted(hop_sizes(compiled)) == [shard] * 2 + [nb * shard] * 2, hop_sizes(compiled)
 
     once_in, once_out = assert_gathered_once(stage2[2], compiled, period_weight_shapes(weights[0]))
     # Outside the pipeline (prefix layers 0-3, tail layer 20) the rows are split over stage too: the

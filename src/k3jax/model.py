@@ -135,16 +135,18 @@ class Period(nnx.Module):
 class K3Model(nnx.Module):
     def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = False,
                  dtype=jnp.float32, compute_dtype=jnp.float32, vision=None, stages: int = 1,
-                 microbatches: int = 1, gather_once: bool = False):
+                 microbatches: int = 1, gather_once: bool = False, block_cache: bool = True):
         """``vision``: a VisionConfig with ``vision_enabled`` adds the tower and projector as
         ``self.vision`` (params["vision"]: the converter's ``CKPT/vision`` tree), built after the
         text layers; None or disabled leaves the text model and its parameter tree as they are.
         ``stages`` > 1: the periods run as a pipeline of that many stages with ``microbatches``
         microbatches (k3jax.stages); their stacked leaves are then held in the stage-major order
         ``stages.stage_major`` (``build`` puts them so), not in layer order. ``gather_once``: each
-        stage gathers its period weights once per step (``pipeline_fsdp_ag_once``)."""
+        stage gathers its period weights once per step (``pipeline_fsdp_ag_once``); ``block_cache``: the
+        cross-stage AttnRes block cache (``pipeline_attn_res_cache``)."""
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
         self.stages, self.microbatches, self.gather_once = stages, microbatches, gather_once
+        self.block_cache = block_cache
         self.segment_scan = segment_scan
         self.layout: Layout = layout(cfg, scan)
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
@@ -368,7 +370,7 @@ class K3Model(nnx.Module):
             periods = functools.partial(stages.pipeline_periods, self, segment_ids=segment_ids, positions=positions,
                                         compute_aux=compute_aux, remat=remat,
                                         policy=REMAT_POLICIES[remat], fill=bubble_fill,
-                                        gather_once=self.gather_once)
+                                        gather_once=self.gather_once, block_cache=self.block_cache)
         res, outs = self._walk(res, step, remat=remat, periods=periods)
         aux = self.layout.map(lambda _, o: o[0], outs)
         caches = self.layout.map(lambda _, o: o[1], outs)
@@ -458,7 +460,7 @@ def _construct(cfg, rngs):
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
                    compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None),
                    stages=num_stages(cfg), microbatches=pipeline_microbatches(cfg),
-                   gather_once=cfg.train.pipeline_fsdp_ag_once)
+                   gather_once=cfg.train.pipeline_fsdp_ag_once, block_cache=cfg.train.pipeline_attn_res_cache)
 
 
 def text_only(cfg):

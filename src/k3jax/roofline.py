@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from k3jax import counts
@@ -13,7 +14,7 @@ from k3jax import topology as TP
 from k3jax.layers.common import is_variable
 from k3jax.layout import layout
 from k3jax.schema import MESH_AXES
-from k3jax.stages import bubble_fraction
+from k3jax.stages import bubble_fraction, cache_depth
 from k3jax.validation import num_stages, pipeline_microbatches
 
 
@@ -113,16 +114,30 @@ def pipeline_shape(cfg) -> dict:
             "bubble": bubble_fraction(s, m, r), "hop_bytes": 0.0}
 
 
+def hop_buffers(cfg) -> int:
+    """[mb, T, D] arrays one stage hand-off carries (k3jax.stages): the partial sum and, with the
+    block cache (``pipeline_attn_res_cache``), the K newest AttnRes blocks (``stages.cache_depth``),
+    else the whole block buffer [NB, mb, T, D]; without AttnRes, the hidden state."""
+    m = cfg.model
+    if not m.attn_res:
+        return 1
+    if not cfg.train.pipeline_attn_res_cache:
+        return len(m.attn_res_block_starts) + 1
+    lay = layout(m, cfg.train.scan_layers)
+    starts = set(m.attn_res_block_starts)
+    flags = np.array([[l in starts for l in lay.period_layers(p)] for p in range(lay.num_periods)], bool)
+    return 1 + cache_depth(flags, num_stages(cfg))
+
+
 def stage_hop_bytes(cfg, mesh_shape: dict, gb: int) -> float:
     """Bytes one device sends per stage hand-off: one microbatch's residual state without its block
-    count, the AttnRes block buffer [NB, mb, T, D] and the partial sum [mb, T, D] (without AttnRes,
-    the hidden state), activation dtype, its rows split over the stage's data x fsdp x expert
-    shards and its positions over context (k3jax.stages)."""
+    count (``hop_buffers`` arrays of [mb, T, D]), activation dtype, its rows split over the stage's
+    data x fsdp x expert shards and its positions over context (k3jax.stages)."""
     m, t = cfg.model, cfg.train
     pipe = pipeline_shape(cfg)
     rows = gb / t.gradient_accumulation_steps / pipe["microbatches"]
     rows /= math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert"))
-    buffers = len(m.attn_res_block_starts) + 1 if m.attn_res else 1
+    buffers = hop_buffers(cfg)
     return buffers * rows * t.max_target_length / mesh_shape.get("context", 1) * m.hidden_size * \
         jnp.dtype(t.dtype).itemsize
 

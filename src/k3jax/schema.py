@@ -264,6 +264,7 @@ class TrainConfig:
     remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
     scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
     num_pipeline_microbatches: int = _f(-1, "pipeline (stage > 1): microbatches each step streams through the stages, a multiple of the stage count; -1 = the stage count")
+    pipeline_attn_res_cache: bool = _f(True, "pipeline (stage > 1), AttnRes models: a stage hand-off carries the partial sum and the newest AttnRes blocks a stage has not seen (K3 at 2 stages: 1), each stage keeping every microbatch's block buffer, instead of the whole buffer (K3: 2x the hidden state per hop instead of 9x; docs/sharding.md)")
     pipeline_fsdp_ag_once: bool = _f(False, "pipeline (stage > 1): all-gather a stage's fsdp-sharded period weights once per step, before the schedule, instead of once per microbatch and repeat (holds the stage's weights and their gradients unsharded over fsdp/context; docs/sharding.md)")
     attn_res_segment_scan: bool = _f(False, "AttnRes: scan the periods block by block (the backward keeps the block buffer once per AttnRes block, not once per period, but on the K3 v5p-2048 compile it took 5.8 GiB more per device in all; docs/architecture.md); false = one flat scan")
     log_period: int = _f(10, "steps between log lines")

@@ -11,11 +11,18 @@ back, kept in a circular store of M slots: what arrives at iteration t is microb
 read again at iteration t + M - S. M*R + S - 1 iterations; the bubble is (S-1) / (M*R + S - 1).
 
 What crosses a stage boundary is one microbatch's residual state without its block count: the
-AttnRes block buffer [NB, mb, T, D] and the partial sum [mb, T, D] (without AttnRes, the hidden
-state [mb, T, D]). The block count n and the per-layer block-start flags follow from the period
-number (static tables), so blocks may start anywhere, mid-period and across stages. Segment ids and
-positions are indexed per stage from their [M, mb, T] copies, not sent. The embedding, the unrolled
-prefix and tail layers, the output mix and the loss run outside, data-parallel over ``stage``.
+partial sum [mb, T, D] and the AttnRes blocks (without AttnRes, the hidden state [mb, T, D]). The
+block count n and the per-layer block-start flags follow from the period number (static tables),
+so blocks may start anywhere, mid-period and across stages. Blocks, once finished, never change,
+so with the block cache (the default, ``pipeline_attn_res_cache``) a hop carries only the K newest
+[K, mb, T, D] (``cache_depth``: the most blocks finished in the S - 1 periods a microbatch spends
+elsewhere between two visits to a stage; K3 at 2 stages: 1, a hop of 2x the hidden state instead
+of 9x). Each stage keeps every microbatch's buffer [M, NB, mb, T, D] as it last saw it (at the
+start, the pipeline's input), writes the K arriving blocks into it and its own period's output
+back, and the last stage's copies are the output buffers. Without the cache a hop carries the
+whole buffer [NB, mb, T, D]. Segment ids and positions are indexed per stage from their [M, mb, T]
+copies, not sent. The embedding, the unrolled prefix and tail layers, the output mix and the loss
+run outside, data-parallel over ``stage``.
 
 Parameters: the periods' stacked leaves are held stage-major (``stage_major``: memory index s*R + r
 holds period r*S + s), so splitting the stacked axis over ``stage`` (k3jax.sharding.param_sharding)
@@ -153,8 +160,17 @@ def _gathered_specs(state, mesh) -> list[P]:
 
 # ---- the pipeline ----------------------------------------------------------------------------
 
+def cache_depth(flags: np.ndarray, stages: int) -> int:
+    """K of the block cache: the most AttnRes blocks a stage has not seen when a microbatch reaches
+    it, i.e. the block starts of the S - 1 periods since its last visit (or since the pipeline's
+    input, on the first repeat), at least 1. ``flags``: [periods, layers] block starts in layer order."""
+    starts = flags.sum(1)
+    return max([1] + [int(starts[max(0, p - stages + 1):p].sum()) for p in range(1, len(starts))])
+
+
 def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
-                     remat: str = "none", policy=None, fill=0.0, gather_once: bool = False):
+                     remat: str = "none", policy=None, fill=0.0, gather_once: bool = False,
+                     block_cache: bool = True):
     """Run the periods of ``model`` (a K3Model with ``stages`` > 1) as the pipeline.
 
     gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
@@ -163,7 +179,10 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
     NaN). ``gather_once`` (``pipeline_fsdp_ag_once``): each stage all-gathers its period weights
     over the in-stage parameter axes once, before the schedule (``_gathered_specs``), instead of
-    GSPMD gathering them inside every iteration. Returns (res after the last period, [(aux of layer
+    GSPMD gathering them inside every iteration. ``block_cache`` (``pipeline_attn_res_cache``;
+    AttnRes only): a hop carries the partial sum and the K newest blocks (``cache_depth``) instead of
+    the whole block buffer; each stage keeps every microbatch's buffer as it last saw it, and the
+    last stage's copies are the output buffers. Returns (res after the last period, [(aux of layer
     j of the period, None)] with aux leaves stacked [P, ...] in memory order), as the flat scan of
     ``K3Model._walk`` returns them.
     """
@@ -183,6 +202,10 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     flag_tab = jnp.asarray(flags[order].reshape(n_stages, repeats, -1))
     n_tab = jnp.asarray(starts_before[order].reshape(n_stages, repeats))
     attn_res = "n" in res
+    cached = attn_res and block_cache
+    depth = cache_depth(flags, n_stages) if cached else 0
+    # blocks finished once period p has run (layer order), for the cache's write offsets
+    after_tab = jnp.asarray(np.cumsum(flags.sum(1)).astype(np.int32))
     n0 = res["n"] if attn_res else jnp.zeros((), jnp.int32)
     micro = {k: _split(v, _row_axis(k), n_micro) for k, v in res.items() if k != "n"}
     seg, pos = _split(segment_ids, 0, n_micro), _split(positions, 0, n_micro)
@@ -211,7 +234,7 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
     if remat != "none":
         period = jax.checkpoint(period, policy=policy, prevent_cse=False)
 
-    def stage_fn(st, micro, seg, pos, flag_tab, n_tab, n0, fill):
+    def stage_fn(st, micro, seg, pos, flag_tab, n_tab, after_tab, n0, fill):
         s = jax.lax.axis_index(STAGE)
         st = gathered(st, lambda sp: P(None, *sp))         # this stage's [R, ...] slab, gathered once
         flag_tab, n_tab = flag_tab[0], n_tab[0]            # this stage's [R, period], [R]
@@ -220,38 +243,74 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
 
         last = (repeats - 1) * n_micro + n_stages - 1      # the last stage finishes microbatch m at last + m
 
+        n_blocks = micro["blocks"].shape[1] if cached else 0
+
+        def offset(p):
+            """Where the K blocks a hop after period p carries start in the buffer (the newest K)."""
+            done = n0 + after_tab[jnp.clip(p, 0, n_periods - 1)]
+            return jnp.clip(done - depth, 0, n_blocks - depth)
+
+        def put(buf, i, x, keep):
+            """buf[i] = x where ``keep``, else unchanged."""
+            old = jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x, old), i, 0)
+
         def iteration(carry, t):
-            recv, circ, outs, acc = carry
+            recv, circ, outs, cache, acc = carry
             k = t - s
             valid = (k >= 0) & (k < n_micro * repeats)
             kc = jnp.clip(k, 0, n_micro * repeats - 1)
             m, r = kc % n_micro, kc // n_micro
-            # Stage 0 files what the last stage handed over (microbatch (t - S) mod M) for its next repeat.
-            slot, keep = jnp.mod(t - n_stages, n_micro), (s == 0) & (t >= n_stages)
-            circ = jax.tree.map(lambda c, x: jax.lax.dynamic_update_index_in_dim(
-                c, jnp.where(keep, x, jax.lax.dynamic_index_in_dim(c, slot, 0, keepdims=False)), slot, 0), circ, recv)
+            # What arrived: stage s > 0 gets microbatch k from stage s - 1 (its period r*S + s - 1);
+            # stage 0 gets what the last stage handed over, microbatch (t - S) mod M, and files it for
+            # that microbatch's next repeat (the circular store).
+            rk = jnp.where(s == 0, t - n_stages, k)
+            got = (rk >= 0) & (rk < n_micro * repeats)
+            rkc = jnp.clip(rk, 0, n_micro * repeats - 1)
+            rm = rkc % n_micro
+            keep = (s == 0) & got
+            carried = {key: v for key, v in recv.items() if key != "new"}
+            circ = jax.tree.map(lambda c, x: put(c, rm, x, keep), circ, carried)
+            if cached:      # the newest blocks go into that microbatch's copy of the buffer
+                sender = (rkc // n_micro) * n_stages + jnp.mod(s - 1, n_stages)
+                mine = jax.lax.dynamic_index_in_dim(cache, rm, 0, keepdims=False)
+                cache = put(cache, rm, jax.lax.dynamic_update_slice_in_dim(mine, recv["new"], offset(sender), 0), got)
             first, stored = _take(micro, m), _take(circ, m)
             x = jax.tree.map(lambda a, b, c: jnp.where(valid, jnp.where(s == 0, jnp.where(r == 0, a, b), c), 0),
-                             first, stored, recv)
+                             {key: first[key] for key in carried}, stored, carried)
+            if cached:
+                x["blocks"] = jnp.where(valid, jax.lax.dynamic_index_in_dim(cache, m, 0, keepdims=False), 0)
             # (the gathered placement pinned again on the repeat's slice, so GSPMD keeps it gathered
             # through the loop rather than re-sharding the slab and gathering per iteration)
             w = gathered(_take(st, r), lambda sp: sp)
             y, aux = period(w, x, _take(seg, m), _take(pos, m), flag_tab[r], n0 + n_tab[r])
             acc = _aux_add(acc, aux, r, valid)
-            # Outputs of the final M iterations, kept on every stage (the last stage's are read).
+            send = y
+            if cached:
+                cache = put(cache, m, y["blocks"], valid)
+                send = {"partial": y["partial"],
+                        "new": jax.lax.dynamic_slice_in_dim(y["blocks"], offset(r * n_stages + s), depth, 0)}
+            # Outputs of the final M iterations, kept on every stage (the last stage's are read; with
+            # the cache, the blocks are its copies).
             o = jnp.clip(t - last, 0, n_micro - 1)
-            outs = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                b, jnp.where(t >= last, v, jax.lax.dynamic_index_in_dim(b, o, 0, keepdims=False)), o, 0), outs, y)
-            return (jax.lax.ppermute(y, STAGE, shift), circ, outs, acc), None
+            outs = jax.tree.map(lambda b, v: put(b, o, v, t >= last), outs, {key: y[key] for key in outs})
+            return (jax.lax.ppermute(send, STAGE, shift), circ, outs, cache, acc), None
 
-        buffers = jax.tree.map(lambda z: jnp.full((n_micro,) + z.shape, fill, z.dtype), zero)
-        carry = (jax.tree.map(lambda z: jnp.full_like(z, fill), zero), buffers, buffers, _aux_init(aux_shapes, repeats))
-        (_, _, outs, acc), _ = jax.lax.scan(iteration, carry, jnp.arange(last + n_micro))
+        held = {key: v for key, v in zero.items() if not (cached and key == "blocks")}
+        buffers = jax.tree.map(lambda z: jnp.full((n_micro,) + z.shape, fill, z.dtype), held)
+        recv = jax.tree.map(lambda z: jnp.full_like(z, fill), held)
+        if cached:
+            recv["new"] = jnp.full((depth,) + zero["blocks"].shape[1:], fill, zero["blocks"].dtype)
+        cache = micro["blocks"] if cached else jnp.zeros((), dtype)
+        carry = (recv, buffers, buffers, cache, _aux_init(aux_shapes, repeats))
+        (_, _, outs, cache, acc), _ = jax.lax.scan(iteration, carry, jnp.arange(last + n_micro))
+        if cached:
+            outs = dict(outs, blocks=cache)
         return jax.tree.map(lambda y: y[None], outs), _aux_finish(acc, n_micro)
 
-    run = jax.shard_map(stage_fn, mesh=mesh, in_specs=(P(STAGE), P(), P(), P(), P(STAGE), P(STAGE), P(), P()),
+    run = jax.shard_map(stage_fn, mesh=mesh, in_specs=(P(STAGE), P(), P(), P(), P(STAGE), P(STAGE), P(), P(), P()),
                         out_specs=(P(STAGE), P(STAGE)), axis_names={STAGE}, check_vma=False)
-    ys, aux = run(state, micro, seg, pos, flag_tab, n_tab, n0, fill)
+    ys, aux = run(state, micro, seg, pos, flag_tab, n_tab, after_tab, n0, fill)
     out = {k: _merge(v[-1], _row_axis(k)) for k, v in ys.items()}
     if attn_res:
         out["n"] = n0 + int(flags.sum())
