@@ -172,8 +172,17 @@ def test_plan_multislice_candidates_and_table():
     assert [c["dcn_axis"] for c in cands] == ["data", "stage"]
     assert cands[0]["dcn_data_parallelism"] == 2 and "dcn_stage_parallelism" not in cands[0]
     assert cands[1]["dcn_stage_parallelism"] == 2 and cands[1]["enable_checkpointing"] is False
-    with pytest.raises(C.ConfigError, match="plan_dcn_axes"):
-        PL.multislice_candidates(C.override(cfg, {"plan_dcn_axes": ["tensor"]}), 1024, 2)
+    for bad in (["tensor"], ["stage*stage"], ["stage*fsdp*data"], ["stage*tensor"]):
+        with pytest.raises(C.ConfigError, match="plan_dcn_axes"):
+            PL.multislice_candidates(C.override(cfg, {"plan_dcn_axes": bad}), 1024, 2)
+    # A pair splits the slices: 4 slices -> stage=2 x fsdp=2 (the winner on 4 x v5p-512,
+    # docs/multislice.md); 2 slices have no split, so the pair adds no candidate there.
+    mixed = PL.multislice_candidates(C.override(cfg, {"plan_dcn_axes": ["fsdp", "stage*fsdp"]}), 256, 4)
+    assert [(c["dcn_axis"], c.get("dcn_stage_parallelism"), c["dcn_fsdp_parallelism"]) for c in mixed] == \
+        [("fsdp", None, 4), ("stage*fsdp", 2, 2)]
+    assert mixed[1]["enable_checkpointing"] is False
+    assert PL._label(dict(mixed[1], remat_policy="full", per_device_batch_size=1)).startswith("dcn_stage=2 dcn_fsdp=2 ")
+    assert PL.multislice_candidates(C.override(cfg, {"plan_dcn_axes": ["stage*fsdp"]}), 1024, 2) == []
     # One table: the fitting row ranked with its axis, bubble, cross-slice bytes and DCN time; the
     # row over HBM listed below with the axis it tried.
     est = {"tokens_per_s_per_chip": 346.0, "step_s": 11.8, "mfu": 0.48, "bubble": 0.0435, "t_dcn": 0.04, "t_hops": 3.89}

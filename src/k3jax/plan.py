@@ -70,17 +70,34 @@ def candidates(cfg, num_devices: int) -> list[dict]:
 DCN_AXES = ("data", "fsdp", "expert", "stage")
 
 
+def _dcn_split(axis: str, slices: int) -> dict | None:
+    """plan_dcn_axes entry -> {mesh axis: its size across the ``slices``}: one axis ("fsdp") takes
+    them all; a pair ("stage*fsdp") gives the first the smallest divisor d of the slices with
+    1 < d < slices and the second slices / d (4 slices: stage=2 x fsdp=2); None when no such d."""
+    parts = axis.split("*")
+    if len(parts) == 1:
+        return {axis: slices}
+    d = next((d for d in range(2, slices) if slices % d == 0), None)
+    return None if d is None else {parts[0]: d, parts[1]: slices // d}
+
+
 def multislice_candidates(cfg, devices_per_slice: int, slices: int) -> list[dict]:
-    """The in-slice candidates once per axis of plan_dcn_axes spanning the ``slices``."""
+    """The in-slice candidates once per entry of plan_dcn_axes spanning the ``slices``: one axis
+    across all of them, or two ("stage*fsdp") splitting them (``_dcn_split``)."""
     axes = [str(a) for a in cfg.compile.plan_dcn_axes]
-    bad = [a for a in axes if a not in DCN_AXES]
+    bad = [a for a in axes if len(a.split("*")) > 2 or len(set(a.split("*"))) < len(a.split("*"))
+           or any(p not in DCN_AXES for p in a.split("*"))]
     if bad or not axes:
-        raise C.ConfigError(f"plan_dcn_axes={axes}: each entry must be one of {', '.join(DCN_AXES)} (at least one)")
+        raise C.ConfigError(f"plan_dcn_axes={axes}: each entry must be one of {', '.join(DCN_AXES)}, or two of "
+                            f"them joined by '*' (e.g. stage*fsdp: the slices split between them; at least one entry)")
     out = []
     for axis in axes:
+        split = _dcn_split(axis, slices)
+        if split is None:          # a pair needs a slice count with a divisor between 1 and itself
+            continue
         for cand in candidates(cfg, devices_per_slice):
-            extra = {"enable_checkpointing": False} if axis == "stage" else {}
-            out.append({**cand, f"dcn_{axis}_parallelism": slices, "dcn_axis": axis, **extra})
+            extra = {"enable_checkpointing": False} if "stage" in split else {}
+            out.append({**cand, **{f"dcn_{a}_parallelism": n for a, n in split.items()}, "dcn_axis": axis, **extra})
     return out
 
 
@@ -164,7 +181,7 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
 
 def _label(r: dict) -> str:
     axis = r.get("dcn_axis")
-    across = f"dcn_{axis}={r[f'dcn_{axis}_parallelism']} " if axis else ""
+    across = "".join(f"dcn_{a}={r[f'dcn_{a}_parallelism']} " for a in axis.split("*")) if axis else ""
     return (f"{across}expert={r['ici_expert_parallelism']} data={r['ici_data_parallelism']} "
             f"context={r.get('ici_context_parallelism', 1)} remat={r['remat_policy']} "
             f"batch/dev={r['per_device_batch_size']:g}")
@@ -182,7 +199,7 @@ def table(rows: list[dict], seq: int) -> str:
     head = (f"{'rank':>4}  {'mesh':<52} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
             f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
     if multi:
-        head += f" {'across':>9} {'bubble%':>7} {'x-slice GB':>10} {'DCN s':>7}"
+        head += f" {'across':>11} {'bubble%':>7} {'x-slice GB':>10} {'DCN s':>7}"
     lines = [head, "-" * len(head)]
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
@@ -190,7 +207,7 @@ def table(rows: list[dict], seq: int) -> str:
                 f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
                 f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
         if multi:
-            line += (f" {r['dcn_axis']:>9} {100 * e['bubble']:>7.1f} {r['collectives']['cross_slice_bytes'] / 1e9:>10.1f} "
+            line += (f" {r['dcn_axis']:>11} {100 * e['bubble']:>7.1f} {r['collectives']['cross_slice_bytes'] / 1e9:>10.1f} "
                      f"{e['t_dcn'] + e['t_hops']:>7.3f}")
         lines.append(line)
     if ok:

@@ -402,8 +402,9 @@ class CompileConfig:
     plan_remat_policies: list = _f(["full", "save_mixer_out"], "plan: remat policies to try")
     plan_batch_sizes: list = _f([1.0, 2.0], "plan: per-device batch sizes to try")
     plan_dcn_axes: list = _f(["data", "stage"], "plan: with compile_topology_num_slices > 1, the mesh axes to try across "
-                             "the slices (data, fsdp, expert, stage; each candidate puts every slice on one); each "
-                             "axis is one more full compile per in-slice candidate")
+                             "the slices (data, fsdp, expert, stage; each candidate puts every slice on one), or a pair "
+                             "such as stage*fsdp splitting them (4 slices: 2 x 2); each entry is one more full "
+                             "compile per in-slice candidate")
     plan_step: str = _f("train", "plan: which step ranks the meshes: train (fsdp x expert x data, tokens/s/chip) | decode "
                         "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
 
