@@ -389,8 +389,9 @@ def test_stage4_fsdp2_repeats_8_microbatches_gather_once_equal_fsdp8(weights, st
 
 
 @pytest.mark.skipif(not os.environ.get("K3JAX_SLOW_TESTS"), reason=(
-    "235 s on the 2-core CI host, and there its first step's gradient norm differed by 7.5e-5 relative "
-    "(47.873226 vs 47.869614) against the 1e-5 bound; run with K3JAX_SLOW_TESTS=1"))
+    "140-235 s on a 2-core host, and it misses its 1e-5 bound after the first update: the second step's "
+    "gradient norm differed by 1.3e-4 relative (47.87604 vs 47.86975, host C, 2026-12-06; the first step's "
+    "is within 1e-5), the order of fsdp=8 against data=2 x fsdp=4 (5.7e-5); run with K3JAX_SLOW_TESTS=1"))
 def test_train_steps_equal_unpipelined(weights):
     """Three train steps (Muon, QK-clip clipping heads, the router-bias update) at stage=2 x fsdp=4
     with 4 microbatches (more than stages: the circular store) equal data=2 x fsdp=4, the same
