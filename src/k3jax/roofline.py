@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 
 from k3jax import counts
@@ -14,7 +13,7 @@ from k3jax import topology as TP
 from k3jax.layers.common import is_variable
 from k3jax.layout import layout
 from k3jax.schema import MESH_AXES
-from k3jax.stages import bubble_fraction, cache_depth
+from k3jax.stages import block_flags, bubble_fraction, cache_depth
 from k3jax.validation import num_stages, pipeline_microbatches
 
 
@@ -123,10 +122,7 @@ def hop_buffers(cfg) -> int:
         return 1
     if not cfg.train.pipeline_attn_res_cache:
         return len(m.attn_res_block_starts) + 1
-    lay = layout(m, cfg.train.scan_layers)
-    starts = set(m.attn_res_block_starts)
-    flags = np.array([[l in starts for l in lay.period_layers(p)] for p in range(lay.num_periods)], bool)
-    return 1 + cache_depth(flags, num_stages(cfg))
+    return 1 + cache_depth(block_flags(m, layout(m, cfg.train.scan_layers)), num_stages(cfg))
 
 
 def stage_hop_bytes(cfg, mesh_shape: dict, gb: int) -> float:

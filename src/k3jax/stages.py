@@ -160,6 +160,13 @@ def _gathered_specs(state, mesh) -> list[P]:
 
 # ---- the pipeline ----------------------------------------------------------------------------
 
+def block_flags(mcfg, lay) -> np.ndarray:
+    """[periods, layers per period] bool: which layers of each scanned period (layer order) start an
+    AttnRes block (``mcfg.attn_res_block_starts``; none without AttnRes)."""
+    starts = set(mcfg.attn_res_block_starts)
+    return np.array([[l in starts for l in lay.period_layers(p)] for p in range(lay.num_periods)], bool)
+
+
 def cache_depth(flags: np.ndarray, stages: int) -> int:
     """K of the block cache: the most AttnRes blocks a stage has not seen when a microbatch reaches
     it, i.e. the block starts of the S - 1 periods since its last visit (or since the pipeline's
@@ -197,7 +204,7 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
                          f"rows: stages must divide periods and microbatches, microbatches the rows")
     repeats = n_periods // n_stages
     order = stage_major(n_periods, n_stages)
-    flags = np.array([[model._block_start(l) for l in lay.period_layers(p)] for p in range(n_periods)], bool)
+    flags = block_flags(model.cfg, lay)
     starts_before = np.concatenate([[0], np.cumsum(flags.sum(1))[:-1]]).astype(np.int32)
     flag_tab = jnp.asarray(flags[order].reshape(n_stages, repeats, -1))
     n_tab = jnp.asarray(starts_before[order].reshape(n_stages, repeats))
