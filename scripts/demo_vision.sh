@@ -21,10 +21,11 @@ start=$(date +%s)
 rm -rf "${OUT:?}/$RUN"
 $PY scripts/make_shapes_data.py "$OUT/$RUN/data" --train "$TRAIN" --test 48 --size 28
 # Two text layers (KDA with a dense FFN, then MLA with the MoE), the default tiny tower (2 blocks,
-# width 32); 16 conversations of one 28x28 image (4 patches) per step fit the one 64-patch bucket.
+# width 32); each row (one conversation, one 28x28 image of 4 patches) fits the 4-patch bucket, and
+# the captioning's batches of 16 images packed into one sequence the 64-patch one.
 $PY -m k3jax.train configs/base.yml model_name=tiny vocab_size=1024 tokenizer_path=data/demo/tokenizer \
     num_layers=2 "mla_extra_layers=[1]" first_k_dense=1 attn_res=false \
-    vision_enabled=true "vision_patch_buckets=[64]" vision_attention_block=64 \
+    vision_enabled=true "vision_patch_buckets=[4,64]" vision_attention_block=64 \
     dataset_type=mm_sft dataset_path="$OUT/$RUN/data/train.json" sft_default_system_prompt=false \
     max_target_length=48 per_device_batch_size=16 steps="$STEPS" learning_rate=0.01 \
     base_output_directory="$OUT" run_name="$RUN" checkpoint_period="$STEPS" log_period=25 "${EXTRA[@]}"

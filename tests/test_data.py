@@ -432,9 +432,9 @@ def _mm_pipe(mm, paths, **kw):
 
 def test_mm_sft_batches_carry_their_images_in_pad_order(mm):
     """A JSON list (MindSpeed-MM's layout, paths relative to the file) and a JSONL file read through
-    image_root: one conversation per row, the media of a batch packed in the order of their pads
-    (row-major), patches equal to the processor's, loss only on the answers, shapes fixed by the
-    patch bucket (a text-only batch included)."""
+    image_root: one conversation per row, each row's media packed on their own in the order of
+    their pads (``slots``: the pads' columns), patches equal to the processor's, loss only on the
+    answers, shapes fixed by the per-row patch bucket (a text-only row and batch included)."""
     from k3jax.data.vision_processor import process_image
     from k3jax.multimodal import DROP, media_token_ids
     recs = [_conv(["img/a.png", "img/b.png"], "<image> and <image>: same?", "no"),
@@ -452,16 +452,17 @@ def test_mm_sft_batches_carry_their_images_in_pad_order(mm):
         check_batch({k: v for k, v in first.items() if k not in ("media", "media_grids")}, 2, 64)
         assert first["media_grids"].tolist() == [list(process_image(mm.root / "img" / f"{n}.png", mm.pcfg).grid_thw)
                                                  for n in "ab"]
-        flat = first["tokens"].reshape(-1)
-        where = np.flatnonzero(flat == pad)
-        assert len(where) == 1 + 2                           # a: 1 token, b: 2; c is in the next batch
+        where = np.flatnonzero(first["tokens"][0] == pad)
+        assert len(where) == 1 + 2 and not (first["tokens"][1] == pad).any()   # a: 1 token, b: 2; row 1 text
         slots = first["media"]["slots"]
-        assert slots.shape == (8,) and slots[:3].tolist() == where.tolist() and (slots[3:] == DROP).all()
+        assert slots.shape == (2, 8) and slots[0, :3].tolist() == where.tolist()
+        assert (slots[0, 3:] == DROP).all() and (slots[1] == DROP).all()
         want = np.concatenate([process_image(mm.root / "img" / f"{n}.png", mm.pcfg).patches for n in "ab"])
-        assert first["media"]["patches"].shape == (32, 588)
-        np.testing.assert_array_equal(first["media"]["patches"][:12], want)
-        assert not first["media"]["patches"][12:].any()
-        assert (second["tokens"] == pad).sum() == 1 and second["media"]["patches"].shape == (32, 588)
+        assert first["media"]["patches"].shape == (2, 32, 588)
+        np.testing.assert_array_equal(first["media"]["patches"][0, :12], want)
+        assert not first["media"]["patches"][0, 12:].any() and not first["media"]["patches"][1].any()
+        assert {k: v.shape[0] for k, v in first["media"].items()} == dict.fromkeys(first["media"], 2)
+        assert (second["tokens"] == pad).sum() == 1 and second["media"]["patches"].shape == (2, 32, 588)
         learned = sorted(learned_targets(mm.tok, batches))
         assert learned == sorted(f"{a}<|im_end|>" for a in ("no", "yes", "noise", "ok"))
 

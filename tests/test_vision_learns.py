@@ -23,12 +23,13 @@ spec = importlib.util.spec_from_file_location("make_shapes_data", REPO / "script
 shapes = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(shapes)
 
-# A one-layer (MLA, dense FFN) tiny K3 with a one-block tiny tower (width 32); every batch of 16
-# captions x 4 patches fits the one 64-patch bucket, so one train step compiles. No QK-clip (max
-# logits stay < 5 here): a smaller program to compile.
+# A one-layer (MLA, dense FFN) tiny K3 with a one-block tiny tower (width 32); every row (one
+# caption, one image of 4 patches) fits the 4-patch bucket, so one train step compiles, and the
+# captioning's generate() batches of 16 images (packed into one sequence) the 64-patch one. No
+# QK-clip (max logits stay < 5 here): a smaller program to compile.
 ARGS = ["model_name=tiny", "vocab_size=1024", f"tokenizer_path={REPO / 'data' / 'demo' / 'tokenizer'}",
         "num_layers=1", "mla_extra_layers=[0]", "first_k_dense=1", "attn_res=false",
-        "vision_enabled=true", "vision_num_layers=1", "vision_patch_buckets=[64]", "vision_attention_block=64",
+        "vision_enabled=true", "vision_num_layers=1", "vision_patch_buckets=[4,64]", "vision_attention_block=64",
         "max_target_length=48", "per_device_batch_size=2", "dataset_type=mm_sft", "sft_default_system_prompt=false",
         "steps=150", "learning_rate=0.01", "remat_policy=none", "use_qk_clip=false", "log_period=50",
         "enable_checkpointing=false",
@@ -71,7 +72,7 @@ def test_captions_name_colour_and_shape_of_held_out_images(trained):
 
 @pytest.mark.parametrize("extra,fragment", [
     (["vision_enabled=false"], "dataset_type=mm_sft trains on images but vision_enabled=false"),
-    (["gradient_accumulation_steps=2"], "use gradient_accumulation_steps=1"),
+    (["eval_dataset_path={tmp}/broken.json"], "the evaluation loop does not feed images yet"),
     (["dataset_path={tmp}/none.json"], "no file matches"),
     (["bad_data=fatal"], "broken.json:2: {tmp}/gone.png: image file not found"),
 ])
@@ -89,3 +90,43 @@ def test_mm_sft_mistakes_are_one_line(extra, fragment, tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
     assert fragment.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
+
+
+def test_mm_sft_on_a_pod_of_two_processes_equals_one(tmp_path):
+    """dataset_type=mm_sft on a pod of 2 processes x 4 CPU devices (scripts/local_pod.sh, gloo):
+    each process reads its data shard (records i, i + 2, ...: the even ones hold a 28x28 image, 4
+    patches; the odd ones 56x28, 8), packs its own rows to its own per-row patch bucket (4 and 8),
+    the processes agree on 8, and each puts only its rows. Its losses and gradient norms equal one
+    process on 8 devices reading the same records (rows in another order: 1e-6)."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    from PIL import Image
+
+    from helpers import tool_env
+    rng = np.random.default_rng(0)
+    (tmp_path / "img").mkdir()
+    recs = []
+    for i in range(16):
+        w, h = (28, 28) if i % 2 == 0 else (56, 28)
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / "img" / f"{i}.png")
+        recs.append({"images": [f"img/{i}.png"], "messages": [{"role": "user", "content": f"<image> what is {i}?"},
+                                                              {"role": "assistant", "content": f"number {i}"}]})
+    (tmp_path / "train.json").write_text(json.dumps(recs, indent=1))
+    args = [a for a in ARGS if not a.startswith(("steps=", "per_device_batch_size=", "log_period=",
+                                                 "vision_patch_buckets="))]
+    args += ["steps=3", "per_device_batch_size=1", "log_period=1", "vision_patch_buckets=[4,8]", "data_shuffle=false",
+             f"dataset_path={tmp_path / 'train.json'}", f"base_output_directory={tmp_path}"]
+    pod = subprocess.run(["bash", str(REPO / "scripts" / "local_pod.sh"), "2", "4", sys.executable, "-m", "k3jax.train",
+                          str(C.REPO_CONFIGS / "base.yml"), *args, "run_name=pod"],
+                         cwd=REPO, env=tool_env(), capture_output=True, text=True, timeout=600)
+    assert pod.returncode == 0, pod.stdout[-4000:]
+    assert "[0] compiling the train step for 8 image patches per row" in pod.stdout, pod.stdout[-4000:]
+    one = train(C.load(C.REPO_CONFIGS / "base.yml", args + ["run_name=one"]))["history"]
+    got = [json.loads(line) for line in (tmp_path / "pod" / "metrics.jsonl").read_text().splitlines()]
+    assert len(got) == len(one) == 3
+    for g, w in zip(got, one):
+        for k in ("loss", "grad_norm"):
+            assert abs(g[k] - w[k]) <= 1e-6 * abs(w[k]), (k, g[k], w[k])

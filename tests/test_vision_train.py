@@ -14,7 +14,7 @@ from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
 from k3jax.layers.common import REST
-from k3jax.multimodal import DROP, splice
+from k3jax.multimodal import DROP, pad_grouped, slot_loss_mask, splice
 from k3jax.optim import frozen_mask, make_optimizer, param_labels
 from k3jax.optim.muon import FREEZE_GROUPS, variables_by_path
 from k3jax.state import abstract_state
@@ -130,7 +130,8 @@ def test_compile_media_plan_for_k3_vl():
 
 def grouped_media(cfg, rows: int, t: int, bucket: int = 16):
     """Row r holds one 28 x 28 image (2 x 2 patches, one merged token) at position 3 + r: the grouped
-    arrays [rows, ...] and the same media packed flat into one sequence."""
+    arrays [rows, ...] (slots: columns within the row) and the same media packed flat into one
+    sequence (slots: flat positions)."""
     rng = np.random.default_rng(0)
     patches = rng.normal(size=(rows, 4, 3 * 14 * 14)).astype(np.float32)
     m = bucket // 4
@@ -138,7 +139,7 @@ def grouped_media(cfg, rows: int, t: int, bucket: int = 16):
     for r in range(rows):
         lay = layout_arrays(media_layout(cfg.vision, np.asarray([(1, 2, 2)]), bucket, m, max_frames=1))
         slots = np.full(m, DROP, np.int32)
-        slots[0] = r * t + 3 + r
+        slots[0] = 3 + r
         groups.append(lay | {"patches": jnp.asarray(np.pad(patches[r], ((0, bucket - 4), (0, 0)))),
                              "slots": jnp.asarray(slots)})
     grouped = jax.tree.map(lambda *xs: jnp.stack(xs), *groups)
@@ -171,6 +172,16 @@ def test_grouped_media_equal_the_flat_packing_and_a_frozen_tower_stays_put():
     np.testing.assert_allclose(np.asarray(fm), np.asarray(fg), rtol=1e-5, atol=1e-6)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, cfg.model.hidden_size)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(splice(x, fg, grouped["slots"])), np.asarray(splice(x, ff, flat["slots"])))
+    ones = jnp.ones((b, t), jnp.float32)
+    lm = np.asarray(slot_loss_mask(ones, grouped["slots"]))
+    np.testing.assert_array_equal(lm, np.asarray(slot_loss_mask(ones, flat["slots"])))
+    assert (lm == 0).sum() == b and lm[1, 3] == 0           # the target of position 3 is row 1's pad
+    # padded to a larger bucket (what processes agree on): the same rows spliced in
+    big = pad_grouped(jax.tree.map(np.asarray, grouped), 2, 64, 1)
+    assert big["patches"].shape == (b, 64, 588) and big["slots"].shape == (b, 16) and (big["slots"][:, 4:] == DROP).all()
+    fb = enc(model.vision, jnp.asarray(big["patches"]), jax.tree.map(jnp.asarray, big))
+    np.testing.assert_allclose(np.asarray(splice(x, fb, big["slots"])), np.asarray(splice(x, fg, grouped["slots"])),
+                               rtol=1e-5, atol=1e-6)
 
     toks = np.random.default_rng(2).integers(3, 200, (b, t)).astype(np.int32)
     batch = {"tokens": toks, "targets": np.roll(toks, -1, 1), "segment_ids": np.ones((b, t), np.int32),
@@ -183,6 +194,16 @@ def test_grouped_media_equal_the_flat_packing_and_a_frozen_tower_stays_put():
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "rest": rest}
     new, metrics = jax.jit(make_train_step(cfg, gdef, tx))(state, batch)
     assert np.isfinite(float(metrics["loss"]))
+    # grouped media split into micro-batches with their rows: the same update as one batch
+    acc_cfg = C.override(cfg, {"gradient_accumulation_steps": 2})
+    state2 = {"params": params, "opt_state": jax.jit(tx.init)(params), "rest": rest}
+    new2, m2 = jax.jit(make_train_step(acc_cfg, gdef, tx))(state2, batch)
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(float(m2[k]), float(metrics[k]), rtol=2e-6)
+    assert float(m2["loss_tokens"]) == float(metrics["loss_tokens"])
+    swapped = batch | {"media": jax.tree.map(lambda a: a[::-1], grouped)}    # each row given the other's image
+    _, m3 = jax.jit(make_train_step(cfg, gdef, tx))(state, swapped)
+    assert abs(float(m3["loss"]) - float(metrics["loss"])) > 1e-4 * float(metrics["loss"]), (m3["loss"], metrics["loss"])
     after = nnx.to_pure_dict(new["params"])
     moved = jax.tree.map(lambda a, c: bool(np.any(np.asarray(c) != a)), before, after)
     flat_moved = {tuple(getattr(k, "key", k) for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(moved)[0]}

@@ -18,6 +18,13 @@ So every image set whose packed patches fit the same bucket runs one compiled pr
 (``K3Model.embed_media``) runs the tower once on the packed media and scatters the projected rows
 into the token embeddings; the train step also zeroes the loss at the positions whose target is a
 pad (``media_loss_mask`` masks the whole media markup on the host).
+
+Grouped per row (``grouped_media_inputs``, what training feeds: one packed sequence per batch row,
+every array led by the rows and split over the batch axes like the tokens, so each device encodes
+its own rows' media): the patch bucket is one row's, and ``slots`` [B, M] are positions *within*
+the row (a column; ``DROP`` for padding), so a process builds its rows without knowing where they
+sit in the global batch. Padding rows and tokens are zeros in every layout array, so a grouped
+batch grows to a larger bucket by zero padding alone (``pad_grouped``: processes agree on one).
 """
 from __future__ import annotations
 
@@ -53,12 +60,14 @@ class MediaInputs:
 
 
 def media_inputs(vcfg, pcfg, items: list[MediaItem], tokens: np.ndarray, pad_id: int,
-                 bucket: int | None = None) -> MediaInputs:
+                 bucket: int | None = None, max_frames: int | None = None) -> MediaInputs:
     """Pack ``items`` (in order of appearance) for a token batch [B, T] holding their pad runs.
 
     The number of ``pad_id`` tokens must equal the items' token count (a mismatch is a
     VisionInputError naming both). ``bucket``: the patch bucket (default
-    ``vision_processor.patch_bucket`` of the total); the token bucket is bucket // k^2."""
+    ``vision_processor.patch_bucket`` of the total); the token bucket is bucket // k^2.
+    ``max_frames``: the merge gather's frame axis (default 1 for images only, else
+    vision_pos_emb_time)."""
     tokens = np.asarray(tokens)
     where = np.flatnonzero(tokens.reshape(-1) == pad_id)
     want = sum(it.tokens for it in items)
@@ -69,9 +78,10 @@ def media_inputs(vcfg, pcfg, items: list[MediaItem], tokens: np.ndarray, pad_id:
     bucket = patch_bucket(n, pcfg) if bucket is None else bucket
     k2 = vcfg.vision_merge_kernel_size ** 2
     grid = [it.grid_thw for it in items]
-    frames = max((g[0] for g in grid), default=1)
+    if max_frames is None:
+        max_frames = 1 if max((g[0] for g in grid), default=1) == 1 else vcfg.vision_pos_emb_time
     lay = media_layout(vcfg, np.asarray(grid, np.int64).reshape(-1, 3), bucket, bucket // k2,
-                       max_frames=1 if frames == 1 else None)
+                       max_frames=max_frames)
     patches = np.zeros((bucket, pcfg.patch_dim), np.float32)
     if items:
         patches[:n] = np.concatenate([it.patches for it in items])
@@ -80,29 +90,67 @@ def media_inputs(vcfg, pcfg, items: list[MediaItem], tokens: np.ndarray, pad_id:
     return MediaInputs(patches, {k: lay[k] for k in ARRAY_KEYS}, slots)
 
 
+def grouped_media_inputs(vcfg, pcfg, rows: list[list[MediaItem]], tokens: np.ndarray, pad_id: int) -> dict:
+    """Media grouped per row (module docstring): ``rows[r]`` are row r's items in the order of their
+    pads in ``tokens[r]``. -> numpy {"patches" [B, N, 3pp], "slots" [B, M], layout arrays [B, ...]}:
+    N the patch bucket of the fullest row (``patch_bucket``), M = N // k^2, the merge gather's frame
+    axis 1 unless some row holds a video."""
+    tokens = np.asarray(tokens)
+    n = patch_bucket(max((sum(len(it.patches) for it in items) for items in rows), default=0), pcfg)
+    video = any(it.grid_thw[0] > 1 for items in rows for it in items)
+    frames = vcfg.vision_pos_emb_time if video else 1
+    out = [media_inputs(vcfg, pcfg, items, tokens[r:r + 1], pad_id, bucket=n, max_frames=frames)
+           for r, items in enumerate(rows)]
+    return {"patches": np.stack([m.patches for m in out]), "slots": np.stack([m.slots for m in out]),
+            **{k: np.stack([m.layout[k] for m in out]) for k in ARRAY_KEYS}}
+
+
+PATCH_KEYS = ("patches", "segment_ids", "rows", "cols", "frames", "pos_index", "pos_weight")
+
+
+def pad_grouped(media: dict, merge: int, patches: int, frames: int) -> dict:
+    """Grouped media (``grouped_media_inputs``) padded to a patch bucket of ``patches`` per row (and
+    ``patches // merge^2`` tokens) and a merge frame axis of ``frames``: zeros everywhere (padding
+    rows are zeros in every layout array), ``DROP`` for the new slots."""
+    n, m = media["patches"].shape[1], media["slots"].shape[1]
+    if patches < n or frames < media["merge_index"].shape[-1]:
+        raise ValueError(f"cannot pad grouped media of {n} patches to {patches}")
+    tokens = patches // merge ** 2
+    out = {}
+    for k, v in media.items():
+        widths = [(0, 0)] * v.ndim
+        widths[1] = (0, (patches - n) if k in PATCH_KEYS else (tokens - m))
+        if k.startswith("merge_"):
+            widths[-1] = (0, frames - v.shape[-1])
+        out[k] = np.pad(v, widths, constant_values=DROP if k == "slots" else 0)
+    return out
+
+
 def splice(x, features, slots):
     """x [B, T, D] token embeddings, features [M, D], slots [M] flat positions -> x with row
     ``slots[j]`` replaced by ``features[j]``; slots out of range (padding) are dropped.
 
-    Media grouped per row (features [B, M, D], slots [B, M] holding row b's positions only, as
-    the pod compile feeds them): each row scatters its own features, a scatter batched over the
-    rows that stays split over the batch axes; a flat scatter into [B*T, D] from [B, M] indices
-    cannot be partitioned by rows and would gather the whole batch's embeddings on each device."""
+    Media grouped per row (features [B, M, D], slots [B, M] positions within the row): each row
+    scatters its own features, a scatter batched over the rows that stays split over the batch
+    axes; a flat scatter into [B*T, D] cannot be partitioned by rows and would gather the whole
+    batch's embeddings on each device."""
     b, t, d = x.shape
-    if slots.ndim == 2 and slots.shape[0] == b:
-        local = slots - t * jnp.arange(b)[:, None]
-        local = jnp.where((local >= 0) & (local < t), local, DROP)   # padding, or another row's slot
+    if slots.ndim == 2:
         return jax.vmap(lambda xr, fr, sr: xr.at[sr].set(fr.astype(x.dtype), mode="drop", unique_indices=True))(
-            x, features, local)
+            x, features, slots)
     flat = x.reshape(b * t, d).at[slots].set(features.astype(x.dtype), mode="drop",
                                              unique_indices=True)
     return flat.reshape(b, t, d)
 
 
 def slot_loss_mask(loss_mask, slots):
-    """loss_mask [B, T] with 0 at every position whose target (the next token) is a media slot,
-    i.e. flat position slot - 1 unless the slot starts a row (padding slots are dropped)."""
+    """loss_mask [B, T] with 0 at every position whose target (the next token) is a media slot:
+    position slot - 1 unless the slot starts a row (padding slots are dropped). ``slots`` flat
+    positions [M] or, grouped, positions within each row [B, M]."""
     b, t = loss_mask.shape
+    if slots.ndim == 2:
+        prev = jnp.where(slots == 0, DROP, slots - 1)
+        return jax.vmap(lambda mr, pr: mr.at[pr].set(0, mode="drop"))(loss_mask, prev)
     prev = jnp.where(slots % t == 0, DROP, slots - 1)
     return loss_mask.reshape(-1).at[prev].set(0, mode="drop").reshape(b, t)
 

@@ -168,8 +168,9 @@ class VisionConfig:
     vision_frame_patch_limit: int = _f(4096, "video: patch budget of one frame (K2.5: 4096)")
     vision_sample_fps: float = _f(2.0, "video: frames kept per second (at most the source's)")
     vision_max_images: int = _f(16, "most images + videos in one example or request; more is an error (0 = no limit)")
-    vision_patch_buckets: list = _f([], "packed patch counts the tower compiles for (each step pads to the smallest "
-                                    "that holds its patches); [] = powers of two from 256")
+    vision_patch_buckets: list = _f([], "packed patch counts the tower compiles for, padded to the smallest that "
+                                    "holds them: per row in training (the batch's fullest row), per prompt batch "
+                                    "in decode and per tower call in the server; [] = powers of two from 256")
 
     @property
     def qkv_width(self) -> int:

@@ -136,9 +136,10 @@ def make_train_step(cfg, gdef, tx):
     def _step(state, batch):
         params, opt_state, rest = state["params"], state["opt_state"], state["rest"]
         k = t.gradient_accumulation_steps
-        if k > 1 and "media" in batch:
-            raise ConfigError(f"gradient_accumulation_steps={k} with media batches: the packed media are one "
-                              f"array per batch, not per row; use gradient_accumulation_steps=1")
+        if k > 1 and "media" in batch and batch["media"]["slots"].ndim == 1:
+            raise ConfigError(f"gradient_accumulation_steps={k} with media packed flat: they are one array per "
+                              f"batch, not per row; group them per row (multimodal.grouped_media_inputs, as "
+                              f"dataset_type=mm_sft does) or use gradient_accumulation_steps=1")
         if k == 1:
             (_, (loss, weight, correct, aux)), grads = grad_fn(params, rest, batch)
         else:  # micro-batches along the batch axis, token-weighted gradients summed in f32

@@ -319,15 +319,10 @@ def _validate_eval_and_sft(cfg: Config) -> None:
 
 
 def _validate_mm_sft(cfg: Config) -> None:
-    """dataset_type=mm_sft (k3jax.data.mm_sft): image conversations need the tower, and their packed
-    media are one array per batch (not per row, not per micro-batch)."""
+    """dataset_type=mm_sft (k3jax.data.mm_sft): image conversations need the tower."""
     if not cfg.vision.vision_enabled:
         raise ConfigError("dataset_type=mm_sft trains on images but vision_enabled=false; use a vision model config "
                           "(e.g. model_name=kimi-k3-vl) or set vision_enabled=true")
-    if cfg.train.gradient_accumulation_steps != 1:
-        raise ConfigError(f"dataset_type=mm_sft with gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}"
-                          f": a batch's packed media are one array, not one per micro-batch; use "
-                          f"gradient_accumulation_steps=1 and a larger per_device_batch_size")
     if cfg.eval.eval_dataset_path:
         raise ConfigError("eval_dataset_path with dataset_type=mm_sft: the evaluation loop does not feed images yet; "
                           "drop eval_dataset_path")

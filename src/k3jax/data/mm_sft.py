@@ -11,12 +11,14 @@ A record is ``{"images": ["a.jpg", ...], "messages": [{"role", "content"}, ...]}
       .shuffle(seed).repeat(num_epochs)
       .map(ParseConversation)        check markers, read + process images, render the template
       .to_iter_dataset(read threads) None (skipped records) dropped here
-      .batch(B, batch_fn=collate)    one conversation per row; media packed to a patch bucket
+      .batch(B, batch_fn=collate)    one conversation per row; its media packed to a patch bucket
 
-A batch is the text pipeline's [B, T] contract (``k3jax.data.pipeline``) plus ``"media"``: the
-numpy arrays of ``multimodal.MediaInputs`` (patches and layout padded to the patch bucket of the
-batch's total, ``slots`` of the media pads), so the train step compiles one program per bucket.
-Rows are not packed with other conversations: a row is one conversation, padded.
+A batch is the text pipeline's [B, T] contract (``k3jax.data.pipeline``) plus ``"media"``: each
+row's media packed on their own (``multimodal.grouped_media_inputs``: arrays [B, ...], patches and
+layout padded to the patch bucket of the batch's fullest row, ``slots`` [B, M] the columns of the
+row's media pads), so the rows split over the devices like the tokens, each device runs the tower
+on its own rows, and the train step compiles one program per bucket. Rows are not packed with
+other conversations: a row is one conversation, padded.
 
 Bad records follow the text pipeline's ``bad_data`` rule (logged with path:line, counted, the
 same bad fraction stops the run): ``bad_json`` / ``bad_utf8``, ``bad_record`` (wrong shape, marker
@@ -40,7 +42,7 @@ from k3jax.data import pipeline as P
 from k3jax.data import sft as sft_lib
 from k3jax.data.sources import DataError, JsonlSource, expand_paths
 from k3jax.data.vision_processor import (MediaItem, ProcessorConfig, VisionInputError, check_media_limit,
-                                         patch_bucket, process_image)
+                                         process_image)
 
 logger = logging.getLogger(__name__)
 
@@ -226,37 +228,36 @@ class ParseConversation(P.ParseDocument):
 
 class Collate:
     """grain ``batch_fn``: B parsed conversations -> the [B, T] batch plus ``"media"`` (module
-    docstring). Media follow the rows in order, so the j-th ``<|media_pad|>`` of the batch
-    (row-major) takes feature row j (``multimodal.media_inputs``)."""
+    docstring): the j-th ``<|media_pad|>`` of row r takes feature row j of row r's media."""
 
     def __init__(self, vcfg, pcfg: ProcessorConfig, seq_len: int, media_ids):
         self.vcfg, self.pcfg, self.seq_len, self.media_ids = vcfg, pcfg, seq_len, media_ids
 
     def __call__(self, docs) -> dict:
-        from k3jax.multimodal import media_inputs, media_loss_mask
+        from k3jax.multimodal import grouped_media_inputs, media_loss_mask
         b, t = len(docs), self.seq_len
         tokens = np.zeros((b, t), np.int32)
         targets = np.zeros((b, t), np.int32)
         seg = np.zeros((b, t), np.int32)
         loss = np.zeros((b, t), np.float32)
-        items = []
+        rows = []
         for r, d in enumerate(docs):
             n = len(d["tokens"])
             tokens[r, :n] = d["tokens"]
             targets[r, :n - 1] = d["tokens"][1:]
             seg[r, :n] = 1
             loss[r, :n - 1] = d["weights"][1:]
-            at = 0
+            at, items = 0, []
             for g, k in zip(d["grid"].tolist(), d["media_tokens"].tolist()):
                 m = g[0] * g[1] * g[2]
                 items.append(MediaItem(d["patches"][at:at + m], tuple(g), k, ""))
                 at += m
+            rows.append(items)
         loss = media_loss_mask(tokens, loss, self.media_ids)
-        mi = media_inputs(self.vcfg, self.pcfg, items, tokens, self.media_ids[2],
-                          bucket=patch_bucket(sum(len(it.patches) for it in items), self.pcfg))
+        items = [it for r in rows for it in r]
         return {"tokens": tokens, "targets": targets, "segment_ids": seg,
                 "positions": np.arange(t, dtype=np.int32)[None] * (seg > 0), "loss_mask": loss,
-                "media": {"patches": mi.patches, "slots": mi.slots, **mi.layout},
+                "media": grouped_media_inputs(self.vcfg, self.pcfg, rows, tokens, self.media_ids[2]),
                 # host only (the step's vision FLOPs for MFU): (t, h, w) of each item, in order
                 "media_grids": np.asarray([it.grid_thw for it in items], np.int32).reshape(len(items), 3)}
 
