@@ -305,6 +305,28 @@ def test_prefill_media_step_crosses_the_wire():
     assert (drop.kind, drop.args) == ("drop_media", (7,))
 
 
+def test_tower_step_crosses_the_wire():
+    """The pod's tower step: the vector carries the media id, the bucket and each image's grid and
+    token count, the patches go as one [bucket, patch_dim] array; the followers' images equal the
+    sender's (a 28x28 and an 84x56 image, 4 + 24 patches in the 32 bucket)."""
+    from k3jax.data.vision_processor import from_config, process_image
+    pcfg = from_config(C.load(C.REPO_CONFIGS / "base.yml", VISION))
+    items = [process_image(Image.open(io.BytesIO(png(0))), pcfg), process_image(Image.open(io.BytesIO(png(2, 84, 56))), pcfg)]
+    wire = Wire(2, CHUNK, media_items=2, patch_dim=pcfg.patch_dim)
+    step = Step.vision(5, 32, items)
+    head = wire.unpack(wire.pack(step))
+    assert head.args == (5, 32, ((1, 2, 2, 1), (1, 4, 6, 6)))
+    payload = wire.payload(step, 32)
+    assert payload.shape == (32, pcfg.patch_dim) and not payload[28:].any()
+    got = wire.attach(head, payload)
+    assert got.args[:2] == (5, 32)
+    for a, b in zip(got.args[2], items):
+        assert (a.grid_thw, a.tokens) == (tuple(b.grid_thw), b.tokens)
+        np.testing.assert_array_equal(a.patches, b.patches)
+    with pytest.raises(ValueError, match="a tower step of 3 images; the wire holds 2"):
+        wire.pack(Step.vision(5, 32, items + items[:1]))
+
+
 @pytest.mark.parametrize("arg,fragment", [
     ("serve_image_url_domains=[http://a.example.com]", "without scheme, port or path"),
     ("serve_image_max_bytes=0", "serve_image_max_bytes=0: must be >= 1"),
@@ -320,3 +342,32 @@ def test_allowed_hosts():
     assert host_allowed("img.example.com", [".example.com"]) and host_allowed("Example.COM.", ["example.com"])
     assert not host_allowed("example.com", [".example.com"]) and not host_allowed("evil-example.com", ["example.com"])
     assert not host_allowed("127.0.0.1", [])
+
+
+def test_a_pod_of_two_processes_serves_images_like_one(vs, tmp_path):
+    """``k3jax.serve`` as a pod of 2 processes x 1 device (scripts/local_pod.sh; the weights split over
+    both, so every process must run each tower step): image requests (one 28x28, one 84x56, two
+    images at once) give the in-process server's tokens and log-probabilities (1e-5), and the pod
+    stops cleanly on SIGTERM."""
+    import os
+    import signal
+    import sys
+
+    from test_serve_cli import free_port, start
+    reqs = [[vs.images["a"]], [vs.images["wide"]], [vs.images["b"], vs.images["a"]]]
+    port = free_port()
+    pod, log = start(["bash", "scripts/local_pod.sh", "2", "1", sys.executable, "-m", "k3jax.serve",
+                      str(C.REPO_CONFIGS / "base.yml"), *VISION, *SERVE, f"serve_port={port}"], port, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        for imgs in reqs:
+            want = ask(vs, [data_uri(d) for d in imgs], max_tokens=4)
+            got = ask(types.SimpleNamespace(client=client, cfg=vs.cfg), [data_uri(d) for d in imgs], max_tokens=4)
+            assert got[0] == want[0]
+            assert max(abs(v - want[1][t]) for t, v in got[1].items()) < 1e-5
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(120) == 0, open(log).read()[-4000:]
+        assert "Traceback" not in open(log).read()
+    finally:
+        if pod.poll() is None:
+            os.killpg(pod.pid, signal.SIGKILL)

@@ -161,11 +161,11 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         if images is None:
             raise proto.ApiError(400, f"messages: {len(urls)} image part(s), but this model has no vision tower "
                                  "(vision_enabled=false); send text only", param="messages", code="images_not_supported")
-        if getattr(getattr(engine, "link", None), "multi", False):
-            raise proto.ApiError(400, "messages: images are served by a single-process server only; this one runs "
-                                 "as several processes", param="messages", code="images_not_supported")
         items = await asyncio.to_thread(mediaio.load_images, urls, images["pcfg"], domains=images["domains"],
                                         max_bytes=images["max_bytes"], timeout=images["timeout"])
+        if len(items) > engine.p.media_items:    # only without vision_max_images (media.load_images checks it)
+            raise proto.ApiError(400, f"messages: {len(items)} images, over the {engine.p.media_items} one tower call "
+                                 "takes; send fewer", param="messages", code="too_many_images")
         if not engine.p.fits(items):
             raise proto.ApiError(400, f"messages: the images make {sum(len(it.patches) for it in items)} patches, "
                                  f"over the {engine.p.patch_buckets[-1]} the server compiled for (vision_patch_buckets); "

@@ -118,7 +118,12 @@ class Engine:
         self.chunk = programs.buckets[-1]
         self.metrics = metrics
         self.rows = max(programs.row_sizes, default=1)    # prompts one prefill step takes
-        self.link = Link(Wire(programs.slots, self.chunk, self.rows))   # each step, as every process receives it
+        media = getattr(programs, "pcfg", None) is not None
+        # each step, as every process receives it
+        self.link = Link(Wire(programs.slots, self.chunk, self.rows, media_items=programs.media_items if media else 0,
+                              patch_dim=programs.pcfg.patch_dim if media else 0))
+        if media:
+            self.link.warm(programs.patch_buckets)
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -298,13 +303,14 @@ class Engine:
         for q in [r, *waiting]:
             if self._pads(q)[-1] < q.prefilled:
                 q.media_id = -2
-            elif not group or self.p.fits(items + list(q.images)):
+            elif not group or (self.p.fits(items + list(q.images))
+                               and len(items) + len(q.images) <= self.link.wire.media_items):
                 group.append(q)
                 items += q.images
         if not group:
             return
         key, row = next(self._media_ids), 0
-        self.p.vision(key, items)     # process 0 only: a pod refuses images (pod.py)
+        self._run_step(Step.vision(key, self.p.media_bucket(items), items))
         for q in group:
             q.media_id, q.media_row = key, row
             row += sum(it.tokens for it in q.images)

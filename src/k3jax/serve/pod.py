@@ -8,9 +8,12 @@ vector of a fixed size (``Wire``), with ``multihost_utils.broadcast_one_to_all``
 inputs in the same order. While idle, process 0 sends a no-op every half second (a follower never
 waits in a collective for long), and a stop when it shuts down.
 
-Images are served by one process only: a request's packed patches are far larger than a step's
-vector, so the tower step (``Programs.vision``) is not broadcast, and a pod answers image requests
-with a 400 (their ``prefill_media`` chunks and ``drop_media`` are wire steps like the others).
+The tower step (``Step.vision``: ``Programs.vision`` on the images of one or more requests) goes
+out in two broadcasts: the vector carries the media id, the patch bucket and each image's grid and
+token count; the packed patches follow as one float32 [bucket, 3*p*p] array, a shape per compiled
+bucket (``Link.warm`` broadcasts each once at start, so no image compiles anything later). The
+followers rebuild the images from the two and run the same tower program; ``prefill_media`` chunks
+and ``drop_media`` are wire steps like the others.
 
 In one process the broadcast is the identity, but the engine still sends every step through the
 wire format, so the single-process tests exercise the encoding the pod depends on.
@@ -26,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
-         "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows", "decode_steps")
+         "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows", "decode_steps", "vision")
 # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
 INT_KINDS = ("reset", "save_block", "save_state", "load_block", "load_state", "drop", "copy", "drop_media")
 
@@ -72,6 +75,11 @@ class Step:
                    + (int(key), int(first)))
 
     @classmethod
+    def vision(cls, key, bucket, items):
+        """The tower on ``items`` (``MediaItem``s, packed into ``bucket`` patches), kept as ``key``."""
+        return cls("vision", (int(key), int(bucket), tuple(items)))
+
+    @classmethod
     def reset(cls, slot):
         return cls("reset", (int(slot),))
 
@@ -81,6 +89,9 @@ class Step:
         return cls(kind, tuple(int(a) for a in args))
 
     def run(self, programs):
+        if self.kind == "vision":
+            key, _, items = self.args
+            return programs.vision(key, items)
         return getattr(programs, self.kind)(*self.args)
 
 
@@ -89,12 +100,14 @@ def _bits(x, dtype):
 
 
 class Wire:
-    """Step <-> int32[size] for ``slots`` decode rows, prefill chunks of at most ``max_chunk`` and
-    batched prefills of at most ``rows`` chunks."""
+    """Step <-> int32[size] for ``slots`` decode rows, prefill chunks of at most ``max_chunk``,
+    batched prefills of at most ``rows`` chunks and tower steps of at most ``media_items`` images
+    (their patches, ``patch_dim`` wide, travel apart: ``payload`` / ``attach``)."""
 
-    def __init__(self, slots: int, max_chunk: int, rows: int = 1):
+    def __init__(self, slots: int, max_chunk: int, rows: int = 1, media_items: int = 0, patch_dim: int = 0):
         self.b, self.c, self.r = slots, max_chunk, rows
-        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk, rows * (8 + max_chunk))
+        self.media_items, self.patch_dim = media_items, patch_dim
+        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk, rows * (8 + max_chunk), 2 + 4 * media_items)
 
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
@@ -131,10 +144,39 @@ class Wire:
             for i, t in enumerate(tokens):
                 at = 2 + 8 * r + i * self.c
                 out[at:at + len(t)] = t
+        elif step.kind == "vision":
+            key, bucket, items = step.args
+            if len(items) > self.media_items:
+                raise ValueError(f"a tower step of {len(items)} images; the wire holds {self.media_items}")
+            out[1], out[2], out[3] = len(items), key, bucket
+            for i, it in enumerate(items):
+                out[4 + 4 * i:8 + 4 * i] = [*it.grid_thw, it.tokens]
         elif step.kind in INT_KINDS:
             out[1] = len(step.args)
             out[2:2 + len(step.args)] = step.args
         return out
+
+    def payload(self, step: Step | None, bucket: int) -> np.ndarray:
+        """A tower step's images packed into float32 [bucket, patch_dim] (zeros on a follower,
+        ``step`` None: what the broadcast overwrites)."""
+        out = np.zeros((bucket, self.patch_dim), np.float32)
+        if step is not None:
+            at = 0
+            for it in step.args[2]:
+                out[at:at + len(it.patches)] = it.patches
+                at += len(it.patches)
+        return out
+
+    def attach(self, step: Step, patches: np.ndarray) -> Step:
+        """The tower step as received (its images' grids and token counts) with the patches."""
+        from k3jax.data.vision_processor import MediaItem
+        key, bucket, heads = step.args
+        items, at = [], 0
+        for t, h, w, tokens in heads:
+            n = t * h * w
+            items.append(MediaItem(np.asarray(patches[at:at + n]), (t, h, w), tokens, ""))
+            at += n
+        return Step("vision", (key, bucket, tuple(items)))
 
     def unpack(self, arr: np.ndarray) -> Step:
         arr = np.asarray(arr, np.int32)
@@ -164,6 +206,10 @@ class Wire:
                                      c[6].view(np.uint32), c[7])
         if kind in INT_KINDS:
             return Step.ints(kind, *arr[2:2 + int(arr[1])])
+        if kind == "vision":     # the images' heads only: ``attach`` adds the patches
+            n = int(arr[1])
+            heads = tuple(tuple(int(v) for v in arr[4 + 4 * i:8 + 4 * i]) for i in range(n))
+            return Step("vision", (int(arr[2]), int(arr[3]), heads))
         return Step(kind)
 
 
@@ -179,14 +225,27 @@ class Link:
 
     def send(self, step: Step) -> Step:
         """Process 0: the step as every process received it."""
-        return self._broadcast(self.wire.pack(step))
+        got = self._broadcast(self.wire.pack(step))
+        if got.kind == "vision":
+            got = self.wire.attach(got, multihost_utils.broadcast_one_to_all(self.wire.payload(step, got.args[1])))
+        return got
 
     def heartbeat(self) -> None:
         if self.multi:
             self.send(Step("noop"))
 
     def receive(self) -> Step:
-        return self._broadcast(np.zeros(self.wire.size, np.int32))
+        got = self._broadcast(np.zeros(self.wire.size, np.int32))
+        if got.kind == "vision":
+            got = self.wire.attach(got, multihost_utils.broadcast_one_to_all(self.wire.payload(None, got.args[1])))
+        return got
+
+    def warm(self, buckets) -> None:
+        """Every process at start, in the same order: one broadcast of each tower bucket's patch array,
+        so the first image of a bucket compiles nothing (the broadcast is a program per shape)."""
+        if self.multi:
+            for n in buckets:
+                multihost_utils.broadcast_one_to_all(self.wire.payload(None, n))
 
 
 def follow(programs, link: Link) -> int:

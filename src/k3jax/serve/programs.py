@@ -183,6 +183,9 @@ class Programs:
         vcfg = model.vision.vision_tower.vcfg
         self.patch_buckets = media_buckets(self.pcfg, self.length)
         self.media_rows = self.patch_buckets[-1] // self.pcfg.merge ** 2
+        # images one tower call takes (the pod's wire carries each one's grid): four requests' worth,
+        # or without a per-request limit as many as the largest bucket holds (merge^2 patches each)
+        self.media_items = 4 * self.pcfg.max_images or self.media_rows
         dtype, d = model.compute_dtype, model.embed_tokens[...].shape[1]
         feats = jax.ShapeDtypeStruct((self.media_rows, d), dtype, sharding=self.replicated)
         # the tower's inputs (patches and layout) of the images packed into n patches; the token batch
@@ -498,9 +501,13 @@ class Programs:
         if not self.fits(items):
             raise VisionInputError(f"the images make {n} patches, over the largest compiled bucket "
                                    f"{self.patch_buckets[-1]}")
-        mi = self._media_layout(list(items), patch_bucket(n, self.pcfg))
+        mi = self._media_layout(list(items), self.media_bucket(items))
         inputs = {k: self._put(v) for k, v in {"patches": mi.patches, **mi.layout}.items()}
         self.media[key] = self._tower[len(mi.patches)](self.state, inputs)
+
+    def media_bucket(self, items) -> int:
+        """The tower bucket the packed patches of ``items`` take."""
+        return patch_bucket(sum(len(it.patches) for it in items), self.pcfg)
 
     def fits(self, items) -> bool:
         """The images' packed patches fit a compiled tower bucket."""
