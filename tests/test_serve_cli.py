@@ -1,5 +1,7 @@
 """``python -m k3jax.serve`` as a process: SIGTERM drains (no new connections, open requests finish,
-exit 0), and a pod of two processes (scripts/local_pod.sh) serves what one process serves."""
+exit 0), and a pod of two processes (scripts/local_pod.sh) serves what one process serves and
+drains the same way. One test: the single process is both the pod's reference and the drained
+server (one server start fewer)."""
 import os
 import signal
 import socket
@@ -96,33 +98,19 @@ def drain_on_sigterm(proc, port, client, name, sig_pid, n_stream=60, n_queued=30
     assert proc.wait(120) == 0
 
 
-def test_sigterm_drains(tiny_run, tmp_path):
-    port = free_port()
-    proc, log = start([sys.executable, "-m", "k3jax.serve", "configs/base.yml", *tiny_run.args, *SERVE,
-                       f"load_parameters_path={tiny_run.checkpoint}", f"serve_port={port}"], port, tmp_path)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        name = client.models.list().data[0].id
-        drain_on_sigterm(proc, port, client, name, proc.pid)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-@pytest.mark.skipif(not (REPO / "scripts" / "local_pod.sh").exists(),
-                    reason="needs scripts/local_pod.sh (the multi-host local pod launcher)")
 def test_pod_of_two_processes_serves_like_one(tiny_run, tmp_path):
     port = free_port()
     args = ["configs/base.yml", *tiny_run.args, *SERVE, f"load_parameters_path={tiny_run.checkpoint}"]
-    # The reference: one process.
+    # The reference: one process, which then drains on SIGTERM.
     one, _ = start([sys.executable, "-m", "k3jax.serve", *args, f"serve_port={port}"], port, tmp_path)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
         name = client.models.list().data[0].id
         want = greedy(client, name)
+        drain_on_sigterm(one, port, client, name, one.pid)
     finally:
-        one.send_signal(signal.SIGTERM)
-        one.wait(120)
+        if one.poll() is None:
+            os.killpg(one.pid, signal.SIGKILL)
     # Two processes with one device each: a 2-device mesh across processes, process 0 serves HTTP.
     pod, log = start(["bash", "scripts/local_pod.sh", "2", "1", sys.executable, "-m", "k3jax.serve", *args,
                       f"serve_port={port}"], port, tmp_path)

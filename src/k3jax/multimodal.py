@@ -114,7 +114,8 @@ def pad_grouped(media: dict, merge: int, patches: int, frames: int) -> dict:
     rows are zeros in every layout array), ``DROP`` for the new slots."""
     n, m = media["patches"].shape[1], media["slots"].shape[1]
     if patches < n or frames < media["merge_index"].shape[-1]:
-        raise ValueError(f"cannot pad grouped media of {n} patches to {patches}")
+        raise ValueError(f"cannot pad grouped media of {n} patches and {media['merge_index'].shape[-1]} frames "
+                         f"to {patches} and {frames}")
     tokens = patches // merge ** 2
     out = {}
     for k, v in media.items():
