@@ -27,6 +27,7 @@ $PY -m k3jax.train configs/base.yml model_name=tiny vocab_size=1024 tokenizer_pa
     num_layers=2 "mla_extra_layers=[1]" first_k_dense=1 attn_res=false \
     vision_enabled=true "vision_patch_buckets=[4,64]" vision_attention_block=64 \
     dataset_type=mm_sft dataset_path="$OUT/$RUN/data/train.json" sft_default_system_prompt=false \
+    eval_dataset_path="$OUT/$RUN/data/test.json" eval_interval=100 eval_steps=-1 \
     max_target_length=48 per_device_batch_size=16 steps="$STEPS" learning_rate=0.01 \
     base_output_directory="$OUT" run_name="$RUN" checkpoint_period="$STEPS" log_period=25 "${EXTRA[@]}"
 $PY scripts/make_shapes_data.py --score "$OUT/$RUN" "$OUT/$RUN/data"

@@ -40,7 +40,9 @@ ARGS = ["model_name=tiny", "vocab_size=1024", f"tokenizer_path={REPO / 'data' / 
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     data = shapes.make(root / "data", n_train=480, n_test=48, size=28, seed=0)
+    # the held-out conversations as eval data, evaluated once, after the last step
     cfg = C.load(C.REPO_CONFIGS / "base.yml", ARGS + [f"dataset_path={data / 'train.json'}",
+                                                      f"eval_dataset_path={data / 'test.json'}", "eval_interval=150",
                                                       f"base_output_directory={root}", "run_name=r"])
     out = train(cfg)
     model = M.build(cfg, 0)
@@ -70,9 +72,35 @@ def test_captions_name_colour_and_shape_of_held_out_images(trained):
     assert blank_acc <= 1 / 12 + 0.10, list(zip(blank_got, want))
 
 
+def test_eval_loss_of_held_out_image_conversations(trained):
+    """eval_dataset_path with dataset_type=mm_sft: the run's evaluation after its last step scores the
+    48 held-out conversations with their images (3 batches of 16); the same conversations with the
+    blank backgrounds, evaluated by the same Evaluator code, score far worse, so the images reach
+    the eval step."""
+    import json
+    from pathlib import Path
+
+    from k3jax.evaluate import Evaluator
+    from k3jax.layers.common import REST
+    from k3jax.sharding import make_mesh
+    cfg, data, model, history = trained
+    rec = history[-1]
+    assert rec["eval_tokens"] > 0 and "eval_loss" not in history[-2]
+    recs = json.loads((data / "test.json").read_text())
+    (data / "blank.json").write_text(json.dumps([{**r, "images": ["blank/" + Path(r["images"][0]).name]} for r in recs]))
+    gdef, params, rest = nnx.split(model, nnx.Param, REST)
+    blank = Evaluator(C.override(cfg, {"eval_dataset_path": str(data / "blank.json")}), make_mesh(cfg), gdef,
+                      load_tokenizer(cfg)).run({"params": params, "rest": rest})
+    print(f"held-out eval loss {rec['eval_loss']:.4f} accuracy {rec['eval_accuracy']:.3f}; blank images "
+          f"{blank['eval_loss']:.4f} / {blank['eval_accuracy']:.3f}")
+    assert blank["eval_tokens"] == rec["eval_tokens"]
+    assert rec["eval_accuracy"] >= 0.9 and rec["eval_loss"] < 0.5 * blank["eval_loss"], (rec, blank)
+
+
 @pytest.mark.parametrize("extra,fragment", [
     (["vision_enabled=false"], "dataset_type=mm_sft trains on images but vision_enabled=false"),
-    (["eval_dataset_path={tmp}/broken.json"], "the evaluation loop does not feed images yet"),
+    (["eval_dataset_path={tmp}/broken.json", "dataset_path={tmp}/ok.json", "bad_data=fatal"],
+     "broken.json:2: {tmp}/gone.png: image file not found"),
     (["dataset_path={tmp}/none.json"], "no file matches"),
     (["bad_data=fatal"], "broken.json:2: {tmp}/gone.png: image file not found"),
 ])
@@ -82,6 +110,8 @@ def test_mm_sft_mistakes_are_one_line(extra, fragment, tmp_path, capsys):
     recs = [{"images": ["gone.png"], "messages": [{"role": "user", "content": "<image>"},
                                                   {"role": "assistant", "content": "x"}]}]
     (tmp_path / "broken.json").write_text(json.dumps(recs, indent=1))
+    shapes.draw("red", "circle", 28, __import__("numpy").random.default_rng(0)).save(tmp_path / "ok.png")
+    (tmp_path / "ok.json").write_text(json.dumps([{**recs[0], "images": ["ok.png"]}], indent=1))
     argv = [str(C.REPO_CONFIGS / "base.yml"), *ARGS, f"dataset_path={tmp_path / 'broken.json'}",
             f"base_output_directory={tmp_path}", "run_name=r", *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
     from k3jax.train import main

@@ -14,9 +14,14 @@ and SFT fitting) but unshuffled and at most once, so every evaluation sees the s
   the correct endings. ``eval_steps`` counts batches of candidates; a row counts once all four of
   its endings were scored.
 
+* Image conversations (``dataset_type=mm_sft``): the held-out conversations with their images,
+  batched as for training (media grouped per row, one patch bucket agreed by every process), the
+  loss on the answers only.
+
 The eval step is its own jitted function (forward only, no remat), compiled once for the eval batch
-shape on the training mesh against the training state's shardings, so evaluating never recompiles
-the train step. It returns per-row sums, replicated, which every process can read.
+shape (and, with images, once per patch bucket) on the training mesh against the training state's
+shardings, so evaluating never recompiles the train step. It returns per-row sums, replicated, which
+every process can read.
 """
 from __future__ import annotations
 
@@ -45,12 +50,17 @@ def eval_rows(cfg, num_devices: int) -> int:
 
 
 def make_eval_step(cfg, gdef):
-    """(params, rest, batch) -> per-row (loss sum [B], target tokens [B], correct [B]), f32."""
+    """(params, rest, batch) -> per-row (loss sum [B], target tokens [B], correct [B]), f32. A batch
+    with ``"media"`` splices them in and takes no loss on targets that are media slots."""
     def step(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
-        h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
-        return chunked_row_losses(h, model.head_weight(), batch["targets"], batch["loss_mask"],
-                                  chunk=cfg.kernel.loss_chunk_size)
+        media = batch.get("media")
+        h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"], media=media)
+        mask = batch["loss_mask"]
+        if media is not None:
+            from k3jax.multimodal import slot_loss_mask
+            mask = slot_loss_mask(mask, media["slots"])
+        return chunked_row_losses(h, model.head_weight(), batch["targets"], mask, chunk=cfg.kernel.loss_chunk_size)
     return step
 
 
@@ -110,11 +120,28 @@ def check_eval_data(cfg, tokenizer) -> None:
     """Open the evaluation files and check their first records (``bad_data_check_records``) now,
     before a model is built, so a mistake in them costs seconds rather than a compile."""
     from k3jax.data import pipeline as P
+    if cfg.data.dataset_type == "mm_sft":
+        _mm_dataset(cfg, tokenizer, 1, 0, 1)
+        return
     P.make_dataset(dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
                    seq_len=cfg.train.max_target_length, batch_size=1, seed=cfg.data.data_seed, shuffle=False,
                    num_epochs=1, bad_data=cfg.data.bad_data, vocab_size=cfg.model.vocab_size,
                    text_key=cfg.data.text_key, process_index=0, process_count=1, **sft_options(cfg),
                    **bad_data_options(cfg))
+
+
+def _mm_dataset(cfg, tokenizer, batch_size: int, shard: int, num_shards: int):
+    """The held-out image conversations (``mm_sft.make_dataset``), unshuffled, one pass, their first
+    records checked as the training data's."""
+    from k3jax.data import mm_sft
+    from k3jax.data.vision_processor import from_config
+    opts = sft_options(cfg)
+    return mm_sft.make_dataset(paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer, vcfg=cfg.vision,
+                               pcfg=from_config(cfg), seq_len=cfg.train.max_target_length, batch_size=batch_size,
+                               seed=cfg.data.data_seed, shuffle=False, num_epochs=1, process_index=shard,
+                               process_count=num_shards, bad_data=cfg.data.bad_data, image_root=cfg.data.image_root,
+                               sft_overlong=opts["sft_overlong"], sft_default_system=opts["sft_default_system"],
+                               **bad_data_options(cfg))[0]
 
 
 class Evaluator:
@@ -132,9 +159,11 @@ class Evaluator:
                               f"and {jax.process_count()} processes; change eval_per_device_batch_size") from None
         self.hellaswag = cfg.data.dataset_type == "sft" and cfg.data.sft_format == "hellaswag"
         self.fn = jax.jit(make_eval_step(cfg, gdef), out_shardings=NamedSharding(mesh, PartitionSpec()))
-        self.compiled = None
+        self.compiled: dict = {}      # by the batch's media shapes (() for text)
         if self.hellaswag:
             self.candidates, self.labels, self.too_long = hellaswag_candidates(cfg, tokenizer)
+        elif cfg.data.dataset_type == "mm_sft":
+            self.dataset = _mm_dataset(cfg, tokenizer, self.feed.local_rows, self.feed.shard, self.feed.num_shards)
         else:
             self.dataset, _ = P.make_dataset(
                 dataset_type=cfg.data.dataset_type, paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer,
@@ -170,12 +199,15 @@ class Evaluator:
         t0 = time.perf_counter()
         loss, weight, correct = [], [], []
         for batch in self._local_batches():
-            g = self.feed.put(batch)
+            batch, _ = self.feed.agree_media(batch, self.cfg.vision.vision_merge_kernel_size)
+            g = self.feed.put_batch(batch)
             args = (state["params"], state["rest"], g)
-            if self.compiled is None:
+            key = tuple((k, v.shape) for k, v in sorted(g.get("media", {}).items()))
+            if key not in self.compiled:
+                what = f"eval step for {g['media']['patches'].shape[1]} image patches per row" if key else "eval step"
                 with jax.set_mesh(self.mesh):
-                    self.compiled = timed_compile("eval step", self.fn, *args)
-            out = jax.device_get(self.compiled(*args))
+                    self.compiled[key] = timed_compile(what, self.fn, *args)
+            out = jax.device_get(self.compiled[key](*args))
             loss.append(out[0])
             weight.append(out[1])
             correct.append(out[2])

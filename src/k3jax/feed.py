@@ -15,6 +15,12 @@ axis (logical ("batch", "seq")). A process feeds exactly the block its own devic
 
 ``jax.make_array_from_process_local_data`` assembles the global arrays from these local blocks
 (a dimension's local block is the process's index ranges along it, concatenated in order).
+
+Image batches (``dataset_type=mm_sft``) also carry ``"media"``, grouped per row
+(``multimodal.grouped_media_inputs``: [rows, ...] arrays, split over the batch axes like the rows,
+whole along every other axis). Each process packs its own rows to its fullest row's patch bucket,
+so before the put the processes agree on the largest (``agree_media``: one all-gather of three
+numbers) and pad to it.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.config import ConfigError
-from k3jax.sharding import logical_to_spec
+from k3jax.sharding import batch_sharding, logical_to_spec
 
 
 def token_sharding(mesh: Mesh) -> NamedSharding:
@@ -91,6 +97,37 @@ class HostFeed:
         """This shard's rows -> global [rows, T] arrays sharded like ``token_sharding``."""
         return {k: jax.make_array_from_process_local_data(self.sharding, v, (self.rows, self.length) + v.shape[2:])
                 for k, v in self.local(batch).items()}
+
+    def put_batch(self, raw: dict) -> dict[str, jax.Array]:
+        """A pipeline batch onto the devices: the [rows, T] arrays by ``put``; ``"media"`` (grouped
+        per row, on the bucket every process uses: ``agree_media``) split over the batch axes like
+        the rows, each process giving its own; host-only ``"media_grids"`` stays behind."""
+        media = raw.get("media")
+        batch = self.put({k: v for k, v in raw.items() if k not in ("media", "media_grids")})
+        if media is not None:
+            mesh = self.sharding.mesh
+            batch["media"] = {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), np.asarray(v),
+                                                                        (self.rows, *v.shape[1:]))
+                              for k, v in media.items()}
+        return batch
+
+    def agree_media(self, raw: dict, merge: int, extra: float = 0.0) -> tuple[dict, float]:
+        """Several processes: -> (``raw`` with its media padded to the largest patch bucket and frame
+        axis of any process, ``extra`` summed over the data shards: processes of one shard hold the
+        same rows). One process, or no media: (raw, extra)."""
+        media = raw.get("media")
+        if media is None or jax.process_count() == 1:
+            return raw, extra
+        from jax.experimental import multihost_utils
+
+        from k3jax.multimodal import pad_grouped
+        mine = np.asarray([media["patches"].shape[1], media["merge_index"].shape[-1], extra], np.float32)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+        n, frames = int(every[:, 0].max()), int(every[:, 1].max())
+        total = float(every[:, 2].sum()) * self.num_shards / jax.process_count()
+        if (n, frames) != (media["patches"].shape[1], media["merge_index"].shape[-1]):
+            raw = {**raw, "media": pad_grouped(media, merge, n, frames)}
+        return raw, total
 
 
 def host_feed(mesh: Mesh, rows: int, length: int, process: int | None = None,

@@ -30,7 +30,7 @@ from k3jax.preemption import EXIT_STATUS as PREEMPTED_EXIT, Preemption
 from k3jax.profiler import Profiler
 from k3jax.runtime import record_tokenizer, sync_processes
 from k3jax.feed import host_feed, token_sharding
-from k3jax.sharding import batch_sharding, make_mesh, maybe_initialize_distributed
+from k3jax.sharding import make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, layer_order, memory_order, restore_state
 from k3jax.step import check_batch, data_iterator, jit_train_step
 
@@ -97,8 +97,8 @@ def train(cfg, *, on_step=None) -> dict:
                 state = _data_ran_out(cfg, step, start, ckpt, state, data, console)
                 break
             profiler.before(step)
-            raw, vision = agree_media(cfg, feed, raw)   # mm_sft: one patch bucket on every process
-            batch = put_batch(feed, mesh, raw)
+            raw, vision = vision_flops(cfg, feed, raw)   # mm_sft: one patch bucket on every process
+            batch = feed.put_batch(raw)
             with jax.set_mesh(mesh):
                 state, m = step_fn(state, batch)
             m = jax.device_get(m)
@@ -158,41 +158,14 @@ def _data(cfg, gb: int, tok, feed):
     return mm_sft.data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
 
 
-def agree_media(cfg, feed, raw: dict) -> tuple[dict, float]:
-    """mm_sft: -> (the batch with its media padded to the patch bucket and frame axis every process
-    uses, the global batch's tower + projector training FLOPs). Each process packs its own rows to
-    its fullest row's bucket, so with several processes they agree first on the largest (one
-    all-gather of three numbers; processes of one data shard hold the same rows and FLOPs).
-    A text batch: (raw, 0.0)."""
-    media = raw.get("media")
-    if media is None:
+def vision_flops(cfg, feed, raw: dict) -> tuple[dict, float]:
+    """mm_sft: -> (the batch with its media on every process's common patch bucket, the global
+    batch's tower + projector training FLOPs: ``HostFeed.agree_media``). A text batch: (raw, 0.0)."""
+    if raw.get("media") is None:
         return raw, 0.0
     grids = raw["media_grids"].tolist()
     flops = counts.vision_train_flops(cfg.vision, cfg.model.hidden_size, grids, cfg.train.freeze) if grids else 0.0
-    if jax.process_count() == 1:
-        return raw, flops
-    from jax.experimental import multihost_utils
-    from k3jax.multimodal import pad_grouped
-    mine = np.asarray([media["patches"].shape[1], media["merge_index"].shape[-1], flops], np.float32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
-    n, frames = int(every[:, 0].max()), int(every[:, 1].max())
-    total = float(every[:, 2].sum()) * feed.num_shards / jax.process_count()
-    if (n, frames) != tuple(mine[:2].astype(int)):
-        raw = {**raw, "media": pad_grouped(media, cfg.vision.vision_merge_kernel_size, n, frames)}
-    return raw, total
-
-
-def put_batch(feed, mesh, raw: dict) -> dict:
-    """A host batch onto the devices: the [rows, T] arrays by ``feed.put``; ``"media"`` (mm_sft:
-    grouped per row, [rows, ...], the same patch bucket on every process: ``agree_media``) split
-    over the batch axes like the rows, each process giving its own rows."""
-    media = raw.get("media")
-    batch = feed.put({k: v for k, v in raw.items() if k not in ("media", "media_grids")})
-    if media is not None:
-        batch["media"] = {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), np.asarray(v),
-                                                                    (feed.rows, *v.shape[1:]))
-                          for k, v in media.items()}
-    return batch
+    return feed.agree_media(raw, cfg.vision.vision_merge_kernel_size, flops)
 
 
 class MediaSteps:

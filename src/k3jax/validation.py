@@ -323,9 +323,6 @@ def _validate_mm_sft(cfg: Config) -> None:
     if not cfg.vision.vision_enabled:
         raise ConfigError("dataset_type=mm_sft trains on images but vision_enabled=false; use a vision model config "
                           "(e.g. model_name=kimi-k3-vl) or set vision_enabled=true")
-    if cfg.eval.eval_dataset_path:
-        raise ConfigError("eval_dataset_path with dataset_type=mm_sft: the evaluation loop does not feed images yet; "
-                          "drop eval_dataset_path")
 
 
 def _axis_sizes(cfg: Config) -> tuple[dict, dict]:
