@@ -125,3 +125,16 @@ def test_mm_sft_bad_records_are_counted_and_named(tmp_path, caplog):
     assert f"{path}:{lines[3]}: 2 <image> markers but 1 images" in got[2]
     with pytest.raises(DataError, match=f"{path}:{lines[1]}: .*gone.png: image file not found"):
         list(mm_sft.make_pipeline(bad_data="fatal", **kw))
+
+
+def test_no_record_fits_the_row_says_so(tok, tmp_path):
+    """SFT conversations that are all longer than the row (sft_overlong=drop) are not "empty": the
+    error names the length and what to raise."""
+    import json
+    path = tmp_path / "long.jsonl"
+    rec = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "yes"}]}
+    path.write_text((json.dumps(rec) + "\n") * 20)
+    with pytest.raises(DataError, match=r"none of the first 20 records .*: 20 are longer than max_target_length=16 "
+                                        r"and cannot be cut to fit \(sft_overlong=drop\), 0 malformed, 0 empty; "
+                                        r"raise max_target_length"):
+        _pipe(tok, path, dataset_type="sft", sft_overlong="drop", check_records_first=100)

@@ -244,6 +244,8 @@ def check_records(ds, parse: ParseDocument, n: int, max_bad_fraction: float, wha
     k = min(n, len(ds))
     bad = docs = 0
     first = None
+    stats = getattr(parse, "stats", None)
+    dropped = stats.sft_dropped if stats is not None else 0
     for i in range(k):
         payload, where = ds[i]
         try:
@@ -255,6 +257,12 @@ def check_records(ds, parse: ParseDocument, n: int, max_bad_fraction: float, wha
             first = first or f"{where}: {e}"
     hint = f"check text_key={parse.text_key!r}" if parse.dataset_type not in ("sft", "mm_sft") else \
         f"check sft_format={parse.sft_format}"
+    long = stats.sft_dropped - dropped if stats is not None else 0     # SFT conversations that do not fit a row
+    if docs == 0 and long:
+        raise DataError(f"none of the first {k} records of {what} gives a document: {long} are longer than "
+                        f"max_target_length={parse.seq_len} and cannot be cut to fit (sft_overlong={parse.sft_overlong}"
+                        f"{', never through an image' if parse.dataset_type == 'mm_sft' else ''}), {bad} malformed, "
+                        f"{k - bad - long} empty; raise max_target_length")
     if docs == 0:
         raise DataError(f"{first + ': ' if first else ''}none of the first {k} records of {what} gives a document "
                         f"({bad} malformed, {k - bad} empty); {hint} and dataset_type={parse.dataset_type}")
