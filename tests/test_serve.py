@@ -172,6 +172,54 @@ def test_a_request_joins_without_waiting(served):
     assert len(b_first) == 1 and b_first[0] in a_steps and max(a_steps) > b_first[0], (b_first, a_steps)
 
 
+def _burst(engine, tag: str, seed: int) -> tuple[int, int, dict]:
+    """SLOTS prompts of 40 random tokens (3 chunks; ``seed``: none shared with another burst, which
+    the prefix cache would restore) submitted at once (under the engine's lock, so one iteration
+    admits them all), 6 greedy tokens each -> (decode steps that ran while the burst was still
+    prefilling, prefill steps of the burst, tokens per request)."""
+    from k3jax.serve.engine import Request
+    done, tokens = threading.Semaphore(0), {}
+    rng = np.random.default_rng(seed)
+
+    def sink(rid):
+        def take(e):
+            tokens.setdefault(rid, []).extend(e.tokens)
+            if e.finish_reason:
+                done.release()
+        return take
+    with engine._cv:
+        start = engine.iteration
+        for i in range(SLOTS):
+            rid = f"{tag}-{i}"
+            engine.submit(Request(prompt=[int(x) for x in rng.integers(10, 400, 40)], max_tokens=6, sink=sink(rid),
+                                  temperature=0.0, ignore_eos=True, id=rid))
+    for _ in range(SLOTS):
+        assert done.acquire(timeout=300)
+    mine = lambda ids: any(str(x).startswith(tag) for x in ids)   # noqa: E731
+    prefills = [it for it, ids in engine.prefill_log if it > start and mine(ids)]
+    decodes = [it for it, ids in engine.decode_log if prefills[0] <= it < prefills[-1] and mine(ids)]
+    return len(decodes), len(prefills), tokens
+
+
+def test_a_burst_prefills_before_its_rows_decode(served):
+    """A burst of SLOTS prompts (3 chunks each, 4 prompts per prefill step): with the default
+    serve_max_decode_wait=4 the rows that finished prefilling wait for the others, at most 4
+    iterations in a row, so fewer decode steps run while the burst prefills than with 0 (a decode
+    step after every prefill step); every request gets its 6 tokens either way."""
+    eng = served.engine
+    assert eng.max_decode_wait == 4
+    waits = eng.decode_waits
+    waited, steps, tokens = _burst(eng, "wait4", 7)
+    assert eng.decode_waits > waits and all(len(t) == 6 for t in tokens.values()) and len(tokens) == SLOTS
+    eng.max_decode_wait = 0
+    try:
+        eager, steps0, tokens0 = _burst(eng, "wait0", 8)
+    finally:
+        eng.max_decode_wait = 4
+    assert all(len(t) == 6 for t in tokens0.values()) and len(tokens0) == SLOTS
+    assert steps == steps0 and waited < eager and waited <= steps // 5 + 1, (waited, eager, steps)
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     url, c, name = served.url, served.client, served.name
     status, _, body = post(url, "/v1/completions", "{not json")

@@ -369,6 +369,7 @@ class ServeConfig:
     serve_prefill_chunk: int = _f(256, "serve: prompt tokens prefilled per step between decode steps (compiled chunk sizes: powers of two from 32 up to it)")
     serve_prefill_batch: int = _f(8, "serve: prompts prefilled together in one step, a chunk of each (compiled for powers of two from 2 up to it, capped at serve_max_batch); 1 = one prompt per step")
     serve_decode_steps: int = _f(4, "serve: decode steps run as one program while no prompt waits to prefill (tokens stream in groups of it; a new request waits at most that many steps); 1 = one step per program")
+    serve_max_decode_wait: int = _f(4, "serve: prefill steps in a row the generating requests may wait while a burst of prompts prefills (their decode steps join up); 0 = a decode step after every prefill step")
     serve_api_key: Optional[str] = _f(None, "serve: bearer token every /v1 request must carry; null = no key")
     serve_decode_buckets: list = _f([], "serve: decode batch sizes compiled at start; each step runs the smallest that holds the generating slots; [] = powers of two up to serve_max_batch, and it")
     serve_prefix_block: int = _f(0, "serve: prefix cache block in tokens (MLA rows kept per block); a multiple of serve_prefill_chunk; 0 = serve_prefill_chunk")

@@ -77,6 +77,9 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
             raise ConfigError(f"{name}={getattr(sv, name)}: must be positive")
     if sv.serve_max_queue < 0:
         raise ConfigError(f"serve_max_queue={sv.serve_max_queue}: must be >= 0")
+    if sv.serve_max_decode_wait < 0:
+        raise ConfigError(f"serve_max_decode_wait={sv.serve_max_decode_wait}: must be >= 0 (0 = decode after every "
+                          f"prefill step)")
     if not 0 <= sv.serve_port <= 65535:
         raise ConfigError(f"serve_port={sv.serve_port}: must be a TCP port (0..65535; 0 = any free port)")
     _validate_serve_cache(sv)

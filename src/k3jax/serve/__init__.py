@@ -2,7 +2,7 @@
 ``python -m k3jax.serve configs/base.yml load_parameters_path=... serve_port=8000``.
 
 Keys: serve_host, serve_port, serve_max_batch (slots), serve_max_queue, serve_prefill_chunk, serve_prefill_batch,
-serve_decode_steps, serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes,
+serve_decode_steps, serve_max_decode_wait, serve_api_key, serve_decode_buckets, serve_prefix_block, serve_prefix_cache_bytes,
 serve_image_url_domains, serve_image_max_bytes, serve_image_fetch_timeout_s (chat image_url parts on a vision
 model); each slot holds
 max_target_length tokens (prompt + completion). The tokenizer is the checkpoint's (``tokenizer_path``
@@ -58,7 +58,7 @@ def build(cfg, mesh=None):
                         media=(images["pcfg"], images["pad_id"]) if images else None,
                         prefill_rows=sv.serve_prefill_batch, decode_steps=sv.serve_decode_steps)
     engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id),
-                    prefix_cache_bytes=sv.serve_prefix_cache_bytes)
+                    prefix_cache_bytes=sv.serve_prefix_cache_bytes, max_decode_wait=sv.serve_max_decode_wait)
     metrics = ServeMetrics(engine.stats)
     engine.metrics = metrics
     app = create_app(engine, tok, model_name=cfg.model_name, context=cfg.train.max_target_length,

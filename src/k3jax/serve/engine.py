@@ -19,7 +19,11 @@ The scheduler loop, one iteration at a time:
    request's chunks splice its own rows of that output in (``prefill_media``), and the rows are
    freed when the last of those requests has prefilled (or gone);
 4. one decode step for every generating slot at once (``Programs.decode``, in the smallest
-   compiled decode bucket that holds them); the new request joins it at the next iteration. While
+   compiled decode bucket that holds them); the new request joins it at the next iteration. During
+   a burst (prompt chunks still to prefill after this iteration's, or queued requests that free
+   slots could take) the decode step waits, at most ``serve_max_decode_wait`` iterations in a row:
+   a decode step costs about the same for few rows as for all (it reads every weight), so the
+   rows of a burst start decoding together instead of paying a step each time a few join. While
    no prompt is queued or prefilling, ``serve_decode_steps`` steps run as one program
    (``Programs.decode_steps``), each row's tokens then go through the stop checks one by one (a
    row that stops mid-way drops the rest; its slot is reset anyway).
@@ -110,8 +114,11 @@ class Engine:
     """Owns the slots and the scheduler thread. ``submit`` / ``cancel`` may be called from any
     thread; everything else happens on the engine thread."""
 
-    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None, prefix_cache_bytes: int = 0):
+    def __init__(self, programs, tokenizer, *, max_queue: int, stop_ids=(), metrics=None, prefix_cache_bytes: int = 0,
+                 max_decode_wait: int = 0):
         self.p, self.tok = programs, tokenizer
+        self.max_decode_wait = max_decode_wait   # iterations the decode step may wait for a burst's prefills
+        self._decode_waited = 0
         self.slots: list[Request | None] = [None] * programs.slots
         self.queue: collections.deque[Request] = collections.deque()
         self.max_queue, self.stop_ids = max_queue, frozenset(stop_ids)
@@ -134,6 +141,7 @@ class Engine:
         self.tower_requests = 0                # requests whose images went through the tower
         self._media_refs: dict[int, int] = {}  # rows kept on device -> requests still to splice them
         self.iteration = 0
+        self.decode_waits = 0                  # iterations whose decode step waited for prefills
         # (iteration, request ids active in that iteration's decode step) and (iteration, request
         # id) for each first token: how tests see that a request joined a running batch.
         self.decode_log: collections.deque = collections.deque(maxlen=10_000)
@@ -230,9 +238,21 @@ class Engine:
         decoding = [r for r in self.slots if r is not None and not r.waiting and r.prefilled >= self._end(r)]
         if prefilling:
             self._prefill(sorted(prefilling, key=lambda r: r.submitted))
-        if decoding:
+        if decoding and prefilling and self._decode_waited < self.max_decode_wait and self._burst():
+            self._decode_waited += 1
+            self.decode_waits += 1
+        elif decoding:
+            self._decode_waited = 0
             self._decode(decoding, steady=not prefilling and not self.queue)
         return True
+
+    def _burst(self) -> bool:
+        """Prefill work is left for the next iteration: a prompt still prefilling, or a queued
+        request that a free slot could take."""
+        if any(r is not None and not r.waiting and r.prefilled < self._end(r) for r in self.slots):
+            return True
+        with self._cv:
+            return bool(self.queue) and 1 + len(self.queue[0].copies) <= sum(s is None for s in self.slots)
 
     def _drop_cancelled(self) -> list[int]:
         for r in [r for r in self.queue if r.cancelled]:
