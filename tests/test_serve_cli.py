@@ -1,7 +1,10 @@
 """``python -m k3jax.serve`` as a process: SIGTERM drains (no new connections, open requests finish,
 exit 0), and a pod of two processes (scripts/local_pod.sh) serves what one process serves and
 drains the same way. One test: the single process is both the pod's reference and the drained
-server (one server start fewer)."""
+server (one server start fewer). What is checked is process mechanics, so the model is the tiny
+one cut to 4 layers (KDA, MLA, dense, MoE and AttnRes still present) with random weights: its three
+server starts (one process, then the pod's two) compile the serving programs in 14 s each against
+31 s for the 13-layer tiny (measured on this host)."""
 import os
 import signal
 import socket
@@ -14,11 +17,34 @@ import numpy as np
 import openai
 import pytest
 
-from helpers import REPO, check_greedy, tool_env
+from helpers import REPO, TINY_TRAIN, check_greedy, tool_env
 
+SMALL = ["num_layers=4", "mla_every=4", "mla_extra_layers=[]", "attn_res_block_size=2"]
 SERVE = ["max_target_length=96", "serve_prefill_chunk=16", "serve_max_batch=1", "serve_max_queue=4"]
 # Few tokens: a pod of CPU processes pays gloo collectives (weight all-gathers) at every step.
 PROMPTS = [("The cat", 6), ([5, 17, 200, 33, 41, 9, 77, 3, 18, 250, 61, 2, 90, 14, 8, 100, 7, 31], 8)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random-weight checkpoint of the 4-layer tiny model and a tokenizer -> its key=values."""
+    import jax
+
+    from k3jax import config as C
+    from k3jax.checkpoint import Checkpointer
+    from k3jax.data import tiny_tokenizer
+    from k3jax.sharding import make_mesh
+    from k3jax.state import init_state
+    root = tmp_path_factory.mktemp("serve-cli")
+    tok = tiny_tokenizer.build(root / "tokenizer", vocab_size=512, num_reserved=tiny_tokenizer.MIN_RESERVED)
+    args = TINY_TRAIN + SMALL + [f"tokenizer_path={tok}", f"base_output_directory={root}"]
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
+    _, state, _ = init_state(cfg, make_mesh(cfg, jax.devices()[:1]))
+    ckpt = Checkpointer(root / "checkpoints", async_save=False, with_data=False)
+    # Inference reads params and extra only; orbax refuses an empty item, so opt_state is a marker.
+    ckpt.save(0, state["params"], {"none": np.zeros((), np.int32)}, state["rest"], force=True)
+    ckpt.close()
+    return args + [f"load_parameters_path={root / 'checkpoints' / '0'}"]
 
 
 def free_port():
@@ -98,9 +124,9 @@ def drain_on_sigterm(proc, port, client, name, sig_pid, n_stream=60, n_queued=30
     assert proc.wait(120) == 0
 
 
-def test_pod_of_two_processes_serves_like_one(tiny_run, tmp_path):
+def test_pod_of_two_processes_serves_like_one(checkpoint, tmp_path):
     port = free_port()
-    args = ["configs/base.yml", *tiny_run.args, *SERVE, f"load_parameters_path={tiny_run.checkpoint}"]
+    args = ["configs/base.yml", *checkpoint, *SERVE]
     # The reference: one process, which then drains on SIGTERM.
     one, _ = start([sys.executable, "-m", "k3jax.serve", *args, f"serve_port={port}"], port, tmp_path)
     try:
