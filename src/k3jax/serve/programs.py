@@ -4,17 +4,18 @@
 max_target_length): slot b owns row b of every leaf, its KDA recurrent + conv state and its MLA
 latent cache region. These programs run on it, each compiled once, ahead of time, at start:
 
-- ``decode[N]``: one token for each of N slots at its own position (``model.decode_step`` with
-  per-row ``pos``), for each N in the decode buckets (``serve_decode_buckets``: by default the
-  powers of two up to B, and B). A step runs the smallest bucket that holds the generating slots:
-  it gathers those slots' rows (padded with idle slots), decodes them and scatters back the KDA
-  leaves whole and the MLA leaves' one new position. Idle rows leave their cache untouched: their
-  MLA write goes to slot S (dropped) and their KDA leaves are selected back.
-- ``decode_steps[N]`` (``serve_decode_steps`` = K > 1): K decode steps in one program (a scan
-  whose step feeds the token it sampled to the next, each with the next sampling key), for each
-  decode bucket, gathering the rows once before the K steps and scattering them once after; the
-  engine runs it while no prompt is waiting or prefilling, so a steady batch
-  pays the host's per-step work (dispatch, reading the tokens, streaming them) once per K tokens.
+- ``decode[N]``: up to K = ``serve_decode_steps`` decode steps for each of N slots at its own
+  position (``model.decode_step`` with per-row ``pos``; a loop whose step feeds the token it sampled
+  to the next, each with the next sampling key), for each N in the decode buckets
+  (``serve_decode_buckets``: by default the powers of two up to B, and B). The step count is an
+  argument (1 <= n <= K), so one program per bucket serves both the engine's single steps (a row
+  can join after every token) and its K-step runs while no prompt is waiting or prefilling (a
+  steady batch pays the host's per-step work, dispatch, reading the tokens, streaming them, once
+  per K tokens); a program per step count would double the decode compiles at start. A call runs
+  the smallest bucket that holds the generating slots: it gathers those slots' rows (padded with
+  idle slots) once, decodes them and scatters back once the KDA leaves whole and the MLA leaves'
+  n new positions. Idle rows leave their cache untouched: their MLA writes go to slot S (dropped)
+  and their KDA leaves are selected back.
 - ``prefill[C]``: the next C prompt tokens of one slot (``model.extend`` on that row), for each C
   in the bucket list (powers of two up to ``serve_prefill_chunk``): a bounded set of shapes, so no
   request ever triggers a compilation. The chunk's last real token gives the first sampled token.
@@ -152,8 +153,6 @@ class Programs:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         with jax.set_mesh(mesh):
             self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
-            self._decode_k = ({n: self._compile(self._decode_steps_fn, self._decode_args(n)) for n in self.decode_sizes}
-                              if decode_steps > 1 else {})
             self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
             self._prefill_rows = {r: self._compile(self._prefill_rows_fn, self._prefill_rows_args(r))
                                   for r in self.row_sizes}
@@ -260,25 +259,27 @@ class Programs:
         tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
         return (tok, *logprobs(logits, tok, self._k(logits))), new
 
-    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        """Decode the N slots ``idx`` (sorted; all B slots in order for the largest bucket)."""
-        out, rows = self._decode_rows(state, self._gather(cache, idx), tokens, pos, active, temperature, top_k,
-                                      top_p, seeds, counters)
-        write = jnp.where(active, pos, self.length)[:, None]
-        return out, self._scatter(cache, idx, rows, write)
+    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters, steps):
+        """``steps`` (<= K) decode steps of the N slots ``idx`` (sorted; all B slots in order for the
+        largest bucket): step j decodes the token step j - 1 sampled, at the next position, with the
+        next key -> outputs [K, N, ...] (those past ``steps`` are zeros), the new cache. The rows are
+        gathered once before the steps and scattered back once after them."""
+        k = self.steps
+        rows = self._gather(cache, idx)
+        shapes = jax.eval_shape(lambda: self._decode_rows(state, rows, tokens, pos, active, temperature, top_k,
+                                                          top_p, seeds, counters)[0])
+        outs = [jnp.zeros((k, *o.shape), o.dtype) for o in shapes]
 
-    def _decode_steps_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
-        """``steps`` decode steps: step j decodes the token step j - 1 sampled, at the next
-        position, with the next key -> outputs [K, N, ...], the new cache. The rows are gathered
-        once before the steps and scattered back once after them."""
-        def step(carry, _):
-            rows, tok, pos, counters = carry
-            out, rows = self._decode_rows(state, rows, tok, pos, active, temperature, top_k, top_p, seeds, counters)
-            return (rows, out[0], pos + 1, counters + 1), out
+        def step(j, carry):
+            rows, tok, at, ctr, outs = carry
+            out, rows = self._decode_rows(state, rows, tok, at, active, temperature, top_k, top_p, seeds, ctr)
+            outs = [jax.lax.dynamic_update_index_in_dim(b, o, j, 0) for b, o in zip(outs, out)]
+            return rows, out[0], at + 1, ctr + 1, outs
 
-        (rows, *_), out = jax.lax.scan(step, (self._gather(cache, idx), tokens, pos, counters), length=self.steps)
-        write = jnp.where(active[:, None], pos[:, None] + jnp.arange(self.steps), self.length)
-        return out, self._scatter(cache, idx, rows, write)
+        rows, *_, outs = jax.lax.fori_loop(0, steps, step, (rows, tokens, pos, counters, outs))
+        j = jnp.arange(k)
+        write = jnp.where(active[:, None] & (j < steps), pos[:, None] + j, self.length)
+        return outs, self._scatter(cache, idx, rows, write)
 
     def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter):
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
@@ -384,7 +385,8 @@ class Programs:
     # -- compilation ----------------------------------------------------------------------------
     def _decode_args(self, n):
         i32, f32 = jnp.int32, jnp.float32
-        return [jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
+        return ([jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
+                + [jax.ShapeDtypeStruct((), i32)])
 
     def _prefill_rows_args(self, r):
         i32, f32, c = jnp.int32, jnp.float32, self.buckets[-1]
@@ -428,29 +430,28 @@ class Programs:
         """One decode step for the active slots; every argument is [B]. Runs the smallest decode
         bucket that holds the active slots (padded with idle ones). -> (tokens, logprob, top ids,
         top logprobs) as numpy arrays over the B slots (rows of idle slots are meaningless)."""
-        return self._run_decode(self._decode, tokens, pos, active, temperature, top_k, top_p, seeds, counters)
+        return tuple(o[0] for o in self._run_decode(1, tokens, pos, active, temperature, top_k, top_p, seeds,
+                                                    counters))
 
     def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
         """``decode`` for ``steps`` steps in one program (the caller makes sure each active row has
         that many positions left) -> the same outputs with a leading [K] axis."""
-        return self._run_decode(self._decode_k, tokens, pos, active, temperature, top_k, top_p, seeds, counters,
-                                axis=1)
+        return self._run_decode(self.steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters)
 
-    def _run_decode(self, programs, tokens, pos, active, temperature, top_k, top_p, seeds, counters, axis=0):
+    def _run_decode(self, steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
         active = np.asarray(active, bool)
         act = np.flatnonzero(active)
         n = next(b for b in self.decode_sizes if b >= len(act))
         idx = np.sort(np.concatenate([act, np.flatnonzero(~active)[:n - len(act)]])).astype(np.int32)
         args = [self._put(np.asarray(a)[idx]) for a in (tokens, pos, active, temperature, top_k, top_p, seeds,
                                                         counters)]
-        out, self.cache = programs[n](self.state, self.cache, self._put(idx), *args)
+        out, self.cache = self._decode[n](self.state, self.cache, self._put(idx), *args,
+                                          self._put(np.int32(steps)))
         full = []
         for o in out:
-            o = self._get(o)
-            shape = list(o.shape)
-            shape[axis] = self.slots
-            f = np.zeros(shape, o.dtype)
-            f[(slice(None),) * axis + (idx,)] = o
+            o = self._get(o)[:steps]
+            f = np.zeros((steps, self.slots, *o.shape[2:]), o.dtype)
+            f[:, idx] = o
             full.append(f)
         return tuple(full)
 
