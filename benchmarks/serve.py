@@ -57,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
-from k3jax.checkpoint import Checkpointer  # noqa: E402
+from k3jax.checkpoint import save_weights  # noqa: E402
 from k3jax.data import tiny_tokenizer  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
@@ -71,12 +71,9 @@ def make_checkpoint(name: str, work: str) -> tuple[list[str], str]:
     tok = tiny_tokenizer.build(os.path.join(work, "tokenizer"), vocab_size=cfg.model.vocab_size,
                                num_reserved=256 if cfg.model.vocab_size >= 4096 else tiny_tokenizer.MIN_RESERVED)
     gdef, state, _ = init_state(cfg, make_mesh(cfg, jax.devices()[:1]))
-    ckpt = Checkpointer(os.path.join(work, "checkpoints"), async_save=False, with_data=False)
-    # Inference reads params and extra only; orbax refuses an empty item, so opt_state is a marker.
-    ckpt.save(0, state["params"], {"none": np.zeros((), np.int32)}, state["rest"], force=True)
-    ckpt.close()
+    path = save_weights(os.path.join(work, "checkpoints"), state["params"], state["rest"])
     args = [f"model_name={name}", *SETTINGS, f"tokenizer_path={tok}", f"base_output_directory={work}"]
-    return args, os.path.join(work, "checkpoints", "0")
+    return args, str(path)
 
 
 def run_decode_cli(args: list[str], prompt: str, new_tokens: int, context: int) -> dict:

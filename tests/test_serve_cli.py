@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
     import jax
 
     from k3jax import config as C
-    from k3jax.checkpoint import Checkpointer
+    from k3jax.checkpoint import save_weights
     from k3jax.data import tiny_tokenizer
     from k3jax.sharding import make_mesh
     from k3jax.state import init_state
@@ -40,11 +40,8 @@ def checkpoint(tmp_path_factory):
     args = TINY_TRAIN + SMALL + [f"tokenizer_path={tok}", f"base_output_directory={root}"]
     cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
     _, state, _ = init_state(cfg, make_mesh(cfg, jax.devices()[:1]))
-    ckpt = Checkpointer(root / "checkpoints", async_save=False, with_data=False)
-    # Inference reads params and extra only; orbax refuses an empty item, so opt_state is a marker.
-    ckpt.save(0, state["params"], {"none": np.zeros((), np.int32)}, state["rest"], force=True)
-    ckpt.close()
-    return args + [f"load_parameters_path={root / 'checkpoints' / '0'}"]
+    path = save_weights(root / "checkpoints", state["params"], state["rest"])
+    return args + [f"load_parameters_path={path}"]
 
 
 def free_port():

@@ -190,6 +190,17 @@ class Checkpointer:
         self._empty_trash()
 
 
+def save_weights(directory: str | Path, params, extra, step: int = 0) -> Path:
+    """A checkpoint for inference only (what ``load_parameters_path`` reads: decode, serve,
+    evaluate): ``params`` and ``extra`` as step ``step`` of ``directory``. Orbax refuses an empty
+    item, so the optimizer state is a marker. -> the step's directory."""
+    import numpy as np
+    ckpt = Checkpointer(directory, async_save=False, with_data=False)
+    ckpt.save(step, params, {"none": np.zeros((), np.int32)}, extra, force=True)
+    ckpt.close()
+    return Path(directory) / str(step)
+
+
 def _os_error(e: BaseException) -> OSError | None:
     """The OSError of a full disk / refused write behind ``e`` (its cause or context chain)."""
     seen = set()
