@@ -98,6 +98,11 @@ def _stage_auto(mesh) -> bool:
     return mesh.axis_types[mesh.axis_names.index(STAGE_AXIS)] != jax.sharding.AxisType.Manual
 
 
+def in_stage(mesh) -> bool:
+    """Whether ``mesh`` is the one inside the pipeline (a stage axis over 1, made manual)."""
+    return mesh.shape.get(STAGE_AXIS, 1) > 1 and not _stage_auto(mesh)
+
+
 def _with_stage(spec: P, names: Sequence[str | None], mesh) -> P:
     """``spec`` with the stage axis leading the rows of a ``batch`` dimension (see STAGE_AXIS)."""
     if "batch" not in names or not _stage_auto(mesh):

@@ -415,11 +415,6 @@ def _validate_pipeline(cfg: Config, num_devices: int | None) -> None:
     if mesh.ici_tensor_parallelism * mesh.dcn_tensor_parallelism != 1:
         raise ConfigError(f"{name} with tensor parallelism is not supported yet (untested); set "
                           f"ici_/dcn_tensor_parallelism=1")
-    if mesh.ici_context_parallelism * mesh.dcn_context_parallelism != 1:
-        # XLA (jax 0.12.0) aborts partitioning the backward of stage=2 x context=2 x fsdp=2: a CHECK
-        # in spmd_partitioner_util (ExpandDeviceGroupsWithIota) on the dropless MoE's token gather.
-        raise ConfigError(f"{name} with context parallelism is not supported: XLA's SPMD partitioner aborts "
-                          f"compiling its backward; set ici_/dcn_context_parallelism=1 or stage parallelism 1")
     if cfg.vision.vision_enabled:
         raise ConfigError(f"{name} with the vision tower (vision_enabled=true) is not supported yet (untested); "
                           f"train vision models without stages")

@@ -114,7 +114,11 @@ class MoE(nnx.Module):
         dropped = jnp.zeros((), jnp.float32)
         mesh = jax.sharding.get_abstract_mesh()
         impl = resolve_moe_impl(k.moe_impl)
-        if not mesh.empty and mesh.shape.get(S.EXPERT_AXIS, 1) > 1:
+        # Inside a pipeline stage the dispatch is this shard_map even with no expert axis (ep = 1:
+        # each device sorts and runs its own rows): GSPMD's partitioning of the global sort's token
+        # gather there aborts XLA with context parallelism in the stage (a CHECK in
+        # ExpandDeviceGroupsWithIota, jax 0.12.0; moe_mode=capacity too).
+        if not mesh.empty and (mesh.shape.get(S.EXPERT_AXIS, 1) > 1 or S.in_stage(mesh)):
             transport = resolve("moe_ep_transport", k.moe_ep_transport, mesh.abstract_device.platform)
             if transport == "ragged" and mesh.abstract_device.platform == "cpu":
                 raise ValueError("moe_ep_transport=ragged needs ragged_all_to_all, which XLA:CPU does not "
