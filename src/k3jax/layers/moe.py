@@ -129,11 +129,14 @@ class MoE(nnx.Module):
             # token shards), led by ``stage`` outside the pipeline (S.stage_rows: the unrolled
             # prefix/tail layers); axes a hand-built mesh lacks are left out.
             rows = tuple(a for a in S.stage_rows(S.MOE_ROW_AXES, mesh) if a in mesh.shape)
+            # Without an expert axis the experts enter whole (GSPMD gathers them at the boundary, or
+            # pipeline_fsdp_ag_once already has), not split over fsdp to be gathered again inside.
+            ep = mesh.shape.get(S.EXPERT_AXIS, 1)
             r = moe_expert_parallel(z, w, idx, *experts, self.act, mesh=mesh, expert_axis=S.EXPERT_AXIS,
                                     ffn_axis=ffn_axis, row_axes=rows,
                                     token_axes=tuple(a for a in rows if a != S.EXPERT_AXIS), impl=impl,
                                     mode=k.moe_mode, capacity_factor=k.capacity_factor,
-                                    transport=transport, weight_d_axes=S.WEIGHT_EMBED_AXES,
+                                    transport=transport, weight_d_axes=S.WEIGHT_EMBED_AXES if ep > 1 else (),
                                     interpret=k.pallas_interpret)
             if isinstance(r, tuple):
                 r, dropped = r
