@@ -65,10 +65,10 @@ def tree_rel(got, want) -> tuple[float, dict]:
     return math.sqrt(num / den), {jax.tree_util.keystr(k): rel(g[k], w[k]) for k in w}
 
 
-def assert_tree_close(got, want, what):
+def assert_tree_close(got, want, what, total_tol=TOTAL_TOL, leaf_tol=LEAF_TOL):
     total, leaves = tree_rel(got, want)
     worst = max(leaves, key=leaves.get)
-    assert total <= TOTAL_TOL and leaves[worst] <= LEAF_TOL, \
+    assert total <= total_tol and leaves[worst] <= leaf_tol, \
         f"{what}: relative RMS {total:.2e} over all, worst leaf {worst} {leaves[worst]:.2e}"
 
 
@@ -354,11 +354,8 @@ def test_stage2_context2_fsdp2_equals_fsdp8(weights, reference):
         refs.append(("context=2 x fsdp=4", unstaged, TOTAL_TOL, LEAF_TOL))
     for name, (h0, aux0, g0), total_tol, leaf_tol in refs:
         assert rel(h, h0) <= total_tol, (name, rel(h, h0))
-        for what, got, want in (("gradients", g, g0), ("max logits / loads", aux, aux0)):
-            total, leaves = tree_rel(got, want)
-            worst = max(leaves, key=leaves.get)
-            assert total <= total_tol and leaves[worst] <= leaf_tol, \
-                f"{what} against {name}: relative RMS {total:.2e} over all, worst leaf {worst} {leaves[worst]:.2e}"
+        assert_tree_close(g, g0, f"gradients against {name}", total_tol, leaf_tol)
+        assert_tree_close(aux, aux0, f"max logits / loads against {name}", total_tol, leaf_tol)
     shard = B // 2 // 2 * (T // 2) * h.shape[-1]        # [mb rows / fsdp, T / context, D]
     assert hop_sizes(compiled, mesh) == [shard] * 4, hop_sizes(compiled, mesh)
 
@@ -476,9 +473,6 @@ def test_train_steps_equal_unpipelined(weights):
                 (f"step {k}: router-bias update", updates(got["rest"], before["rest"]),
                  updates(want["rest"], before["rest"]), UPDATE_LEAF_TOL),
                 (f"step {k}: optimizer state", got["opt_state"], want["opt_state"], LEAF_TOL)):
-            total, leaves = tree_rel(a, b)
-            worst = max(leaves, key=leaves.get)
-            assert total <= TOTAL_TOL and leaves[worst] <= leaf_tol, \
-                f"{what}: relative RMS {total:.2e} over all, worst leaf {worst} {leaves[worst]:.2e}"
+            assert_tree_close(a, b, what, leaf_tol=leaf_tol)
         assert any(np.any(u) for u in jax.tree.leaves(updates(want["rest"], before["rest"]))), k  # biases move
     assert clipped > 0                                   # QK-clip acts in these steps
