@@ -4,16 +4,18 @@ through the environment, so a program compiled once is not compiled again)."""
 import os
 from pathlib import Path
 
-# Compiling is most of the suite's time. XLA:CPU's -O0 (--xla_backend_optimization_level=0) was
-# tried and is not used: it cut a clean-clone run from 1912 to 1627 s but changed the numerics (the
-# Kimi Linear tiny's float64 parity went from 1.1e-6 to 1.3e-5, over its bound): not users' programs.
+from xla_flags import TEST_COMPILE_FLAGS
+
 # K3JAX_TEST_HOST_DEVICES changes the count (1: the one-device list scripts/gpu_check.sh runs on a
 # GPU, checked on CPU with one device); the fake devices only exist on the host platform.
+# Compiling is most of the suite's time: on the CPU the suite compiles with TEST_COMPILE_FLAGS
+# (xla_flags.py: LLVM's expensive passes off, outputs bit for bit the same). A GPU run keeps XLA's.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + f" --xla_force_host_platform_device_count={int(os.environ.get('K3JAX_TEST_HOST_DEVICES', '8'))}"
+    + (f" {TEST_COMPILE_FLAGS}" if os.environ["JAX_PLATFORMS"] == "cpu" else "")
 ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes compile for TPU topologies at once (xdist workers, subprocesses): libtpu
 # otherwise takes an exclusive lock file and the second process aborts.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.kernels.kda import kda_reference
+from xla_flags import TEST_COMPILE_FLAGS
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -116,7 +117,7 @@ def tool_env():
     single-threaded Eigen so a matmul's reduction order cannot depend on thread scheduling."""
     import os
     e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    e["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    e["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false {TEST_COMPILE_FLAGS}"
     return e
 
 

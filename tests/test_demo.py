@@ -10,13 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xla_flags import TEST_COMPILE_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_learns_words_of_the_book(tmp_path):
     env = dict(os.environ, PY=sys.executable, OUT=str(tmp_path), RUN="short", STEPS="120",
                EXTRA="num_layers=5 mla_extra_layers=[4] attn_res_block_size=4", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)   # one CPU device, as make demo has
+    env["XLA_FLAGS"] = TEST_COMPILE_FLAGS   # one CPU device, as make demo has
     p = subprocess.run(["bash", "scripts/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     run = tmp_path / "short"

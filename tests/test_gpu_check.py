@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from helpers import randomize
+from xla_flags import TEST_COMPILE_FLAGS
 from k3jax import config as C
 from k3jax import model as M
 
@@ -51,7 +52,7 @@ def test_gpu_check_dry_run(tmp_path):
     JSON, the one-device test list still collects, k3-slice is 4.88B parameters, and the wheel list
     covers the GPU path's imports (scripts/gpu_imports.py). The compile cache of this session
     (JAX_COMPILATION_CACHE_DIR, set by conftest) is inherited, so a warm run mostly skips compiling."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one real CPU device, not 8
+    env = dict(os.environ, XLA_FLAGS=TEST_COMPILE_FLAGS)   # one real CPU device, not 8
     t0 = time.perf_counter()
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
