@@ -5,7 +5,7 @@ tests/conftest.py adds ``TEST_COMPILE_FLAGS`` (``--xla_llvm_disable_expensive_pa
 HLO passes run as always, LLVM skips its expensive optimisation passes on the emitted code) to
 the suite's XLA_FLAGS, because compiling is most of the suite's time. A test must still check the
 numbers users' programs compute, so this script runs the programs the tests compile most (the tiny
-K3 and the Kimi-Linear-shaped tiny: forward, every gradient, a forward over 8 devices split over
+K3 and the Kimi-Linear-shaped tiny of tests/test_model.py: forward, every gradient, a forward over 8 devices split over
 data x fsdp x expert, ``generate()``) in two child processes, one per flag set, on the suite's 8
 host devices, and compares every output array bit for bit. Run it again after a jax upgrade:
 
@@ -23,76 +23,83 @@ import tempfile
 
 from common import ROOT, cpu_only, machine, print_table, result_path, write_json
 
-cpu_only()
-
+CHILD = "--child" in sys.argv     # one flag set's run, with the suite's 8 host devices (set by the parent)
+if not CHILD:
+    cpu_only()
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from xla_flags import TEST_COMPILE_FLAGS  # noqa: E402
 
-KIMI_LINEAR = ["attn_res=false", "kda_gate=softplus", "kda_output_gate=low_rank", "kda_output_gate_rank=8",
-               "ffn_activation=swiglu", "moe_latent_size=null", "moe_latent_norm=false", "q_lora_rank=null",
-               "mla_use_output_gate=false"]
 
-CHILD = r"""
-import json, sys, time
-import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_default_matmul_precision", "highest")
-from flax import nnx
-from helpers import randomize
-from k3jax import config as C, model as M, sharding as S
-from k3jax.decode import generate
-from k3jax.state import init_state
+def run_programs(path: str) -> None:
+    """Compile and run each program once with this process's XLA_FLAGS -> path.npz (every output
+    array) and path.json (compile and run seconds per program)."""
+    import time
 
-out, rows = {}, []
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
 
-def timed(name, fn, *args):
-    t0 = time.perf_counter(); compiled = fn.lower(*args).compile(); c = time.perf_counter() - t0
-    res = compiled(*args); jax.block_until_ready(res)
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter(); jax.block_until_ready(compiled(*args)); runs.append(time.perf_counter() - t0)
-    rows.append({"program": name, "compile_s": c, "run_s": float(np.median(runs))})
-    for i, x in enumerate(jax.tree.leaves(res)):
-        out[f"{name}/{i}"] = np.asarray(x)
+    from helpers import randomize
+    from k3jax import config as C
+    from k3jax import model as M
+    from k3jax import sharding as S
+    from k3jax.decode import generate
+    from k3jax.state import init_state
+    from test_model import KIMI_LINEAR_TINY
+    jax.config.update("jax_default_matmul_precision", "highest")      # as tests/conftest.py
+    out, rows = {}, []
 
-for name, extra in (("k3", []), ("kimi_linear", json.loads(sys.argv[2]))):
-    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", *extra])
-    gdef, state = nnx.split(randomize(M.build(cfg, 0)))
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, 200)))
+    def timed(name, fn, *args):
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        seconds = time.perf_counter() - t0
+        res = jax.block_until_ready(compiled(*args))
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            runs.append(time.perf_counter() - t0)
+        rows.append({"program": name, "compile_s": seconds, "run_s": float(np.median(runs))})
+        out.update({f"{name}/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(res))})
 
-    def forward(state, t):
-        return nnx.merge(gdef, state)(t)[0]
+    for name, args in (("tiny K3", ["model_name=tiny"]), ("Kimi-Linear tiny", KIMI_LINEAR_TINY)):
+        cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
+        gdef, state = nnx.split(randomize(M.build(cfg, 0)))
+        tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, 200)))
 
-    def loss(state, t):
-        lg = forward(state, t)
-        return jnp.mean(jax.nn.log_softmax(lg) * jnp.cos(jnp.arange(lg.shape[-1])))
+        def forward(state, t, gdef=gdef):
+            return nnx.merge(gdef, state)(t)[0]
 
-    timed(f"{name} forward", jax.jit(forward), state, tokens)
-    timed(f"{name} value_and_grad", jax.jit(jax.value_and_grad(loss)), state, tokens)
-    model = nnx.merge(gdef, state)
-    t0 = time.perf_counter()
-    toks, timing = generate(model, [list(range(5, 40)), list(range(7, 20))], max_new_tokens=16)
-    rows.append({"program": f"{name} generate", "compile_s": timing["compile_s"],
-                 "run_s": time.perf_counter() - t0 - timing["compile_s"]})
-    out[f"{name} generate/0"] = np.asarray(toks)
+        def loss(state, t):
+            logits = forward(state, t)
+            return jnp.mean(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])))
 
-cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
-                                           "ici_data_parallelism=2"])
-mesh = S.make_mesh(cfg)
-gdef, st, _ = init_state(cfg, mesh, seed=0)
-with jax.set_mesh(mesh):
-    state = nnx.split(nnx.merge(gdef, st["params"], st["rest"]))[1]
+        timed(f"{name} forward, [2, 200] tokens", jax.jit(forward), state, tokens)
+        timed(f"{name} loss and every gradient", jax.jit(jax.value_and_grad(loss)), state, tokens)
+        t0 = time.perf_counter()
+        toks, timing = generate(nnx.merge(gdef, state), [list(range(5, 40)), list(range(7, 20))], max_new_tokens=16)
+        rows.append({"program": f"{name} generate()", "compile_s": timing["compile_s"],
+                     "run_s": time.perf_counter() - t0 - timing["compile_s"]})
+        out[f"{name} generate()/0"] = np.asarray(toks)
+
+    cfg = C.load(C.REPO_CONFIGS / "base.yml", ["model_name=tiny", "ici_fsdp_parallelism=2",
+                                               "ici_expert_parallelism=2", "ici_data_parallelism=2"])
+    mesh = S.make_mesh(cfg)
+    gdef, st, _ = init_state(cfg, mesh, seed=0)
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.model.vocab_size, (8, 64)))
-    timed("k3 forward, data 2 x fsdp 2 x expert 2", jax.jit(lambda s, t: nnx.merge(gdef, s)(t)[0]), state, tokens)
-np.savez(sys.argv[1] + ".npz", **out)
-json.dump(rows, open(sys.argv[1] + ".json", "w"))
-"""
+    with jax.set_mesh(mesh):
+        timed("tiny K3 forward over data 2 x fsdp 2 x expert 2", jax.jit(lambda s, t: nnx.merge(gdef, *s)(t)[0]),
+              (st["params"], st["rest"]), tokens)
+    np.savez(path + ".npz", **out)
+    with open(path + ".json", "w") as f:
+        json.dump(rows, f)
 
 
 def child(flags: str, path: str) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {flags}".strip(),
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.path.join(ROOT, "src")]))
-    subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(KIMI_LINEAR)], cwd=ROOT, env=env, check=True)
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {flags}".strip())
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path], cwd=ROOT, env=env, check=True)
     with open(path + ".json") as f:
         return json.load(f)
 
@@ -101,7 +108,10 @@ def main(argv=None):
     import numpy as np
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=result_path("test_compile_flags"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.child:
+        return run_programs(a.child)
     with tempfile.TemporaryDirectory() as work:
         base = child("", os.path.join(work, "default"))
         test = child(TEST_COMPILE_FLAGS, os.path.join(work, "tests"))
