@@ -5,9 +5,10 @@ tests/conftest.py adds ``TEST_COMPILE_FLAGS`` (``--xla_llvm_disable_expensive_pa
 HLO passes run as always, LLVM skips its expensive optimisation passes on the emitted code) to
 the suite's XLA_FLAGS, because compiling is most of the suite's time. A test must still check the
 numbers users' programs compute, so this script runs the programs the tests compile most (the tiny
-K3 and the Kimi-Linear-shaped tiny of tests/test_model.py: forward, every gradient, a forward over 8 devices split over
-data x fsdp x expert, ``generate()``) in two child processes, one per flag set, on the suite's 8
-host devices, and compares every output array bit for bit. Run it again after a jax upgrade:
+K3 and the Kimi-Linear-shaped tiny of tests/test_model.py: forward, every gradient,
+``generate()``, and a forward over 8 devices split over data x fsdp x expert) in two child
+processes, one per flag set, on the suite's 8 host devices, and compares every output array bit
+for bit. Run it again after a jax upgrade:
 
     .venv/bin/python benchmarks/test_compile_flags.py
 Results: stdout table and benchmarks/results/test_compile_flags.json (--out to change).
