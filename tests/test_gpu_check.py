@@ -12,9 +12,9 @@ import numpy as np
 from flax import nnx
 
 from helpers import randomize
-from xla_flags import TEST_COMPILE_FLAGS
 from k3jax import config as C
 from k3jax import model as M
+from xla_flags import TEST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Relative RMS error of the tiny K3's bf16 logits against float32 with the same (bf16-rounded)
