@@ -10,8 +10,8 @@ K3 and the Kimi-Linear-shaped tiny of tests/test_model.py: forward, every gradie
 processes, one per flag set, on the suite's 8 host devices, and compares every output array bit
 for bit. Run it again after a jax upgrade:
 
-    .venv/bin/python benchmarks/test_compile_flags.py
-Results: stdout table and benchmarks/results/test_compile_flags.json (--out to change).
+    .venv/bin/python benchmarks/compile_flags.py
+Results: stdout table and benchmarks/results/compile_flags.json (--out to change).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def child(flags: str, path: str) -> list[dict]:
 def main(argv=None):
     import numpy as np
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=result_path("test_compile_flags"))
+    p.add_argument("--out", default=result_path("compile_flags"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
