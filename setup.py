@@ -1,11 +1,12 @@
-"""k3jax: JAX/TPU training and decoding for Kimi K3 and its family."""
+"""k3jax: JAX/TPU training and decoding for Kimi K3 and its family.
+
+Name, version and Python come from pyproject.toml; the dependency ranges are here, and uv.lock pins
+them for the repo's own commands (`make lock` refreshes it; tests/test_lock.py checks it against
+these ranges). `pip install -e .` outside those commands still resolves the ranges.
+"""
 from setuptools import find_packages, setup
 
 setup(
-    name="k3jax",
-    version="0.1.0",
-    description="JAX/TPU training and decoding stack for Moonshot AI's Kimi K3 family",
-    python_requires=">=3.12",
     package_dir={"": "src", "conversion": "conversion"},
     packages=find_packages("src") + ["conversion"],
     install_requires=[
@@ -41,8 +42,12 @@ setup(
         "dev": ["pytest>=8.0", "pytest-xdist>=3.5", "libtpu>=0.0.20", "matplotlib>=3.8",
                 "openai>=3.57.0",     # the server tests talk to it with the real OpenAI client
                 "lm-eval[api]>=0.4.13",   # lm-evaluation-harness against the server (no torch)
-                "gcp-storage-emulator>=2026.7.19"],   # a local GCS server for the gs:// tests
+                "gcp-storage-emulator>=2026.7.19",   # a local GCS server for the gs:// tests
+                "uv>=0.13.10"],       # installs the lock (scripts/setup.sh) and refreshes it (make lock)
         "tpu": ["jax[tpu]>=0.11.2,<0.12.1"],
         "cuda": ["jax[cuda13]>=0.11.2,<0.12.1"],   # NVIDIA GPUs: jax's CUDA 13 plugin with its CUDA wheels
+        # the torch-side reference that scripts/gpu_check.sh runs beside k3jax's KDA (benchmarks/kda_fla.py);
+        # locked so the GPU wheel list (scripts/gpu_wheels.sh) takes its versions from uv.lock too
+        "fla": ["flash-linear-attention>=0.6.0"],
     },
 )

@@ -10,7 +10,8 @@ Run by ``scripts/gpu_check.sh --dry-run`` (CI) with the project's venv, no wheel
    ``try: ... except ImportError``, ``if TYPE_CHECKING:`` and ``if sys.platform ...``, and modules not
    installed here (the package imports here without them, so only under a condition, as flax's flaxlib).
 3. Every third-party top-level module found must belong to a distribution that is preinstalled on
-   the GPU image (IMAGE below, from the device docs' package list) or in the wheel list; and every
+   the GPU image (IMAGE below, from the device docs' package list) or in the wheel list (its names in
+   scripts/gpu_wheels.sh, its versions uv.lock's); and every
    requirement of a carried package on an image package whose image version is known (IMAGE_VERSIONS)
    must accept that version, or the package must travel too (transformers >= 5.24 needs a newer
    huggingface-hub than the image's).
@@ -26,6 +27,8 @@ import importlib.util
 import os
 import re
 import sys
+
+import lock_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The GPU image's Python packages (device docs, KINDS.md, read 2026-11-17), normalised names.
@@ -66,12 +69,8 @@ def norm(name: str) -> str:
 
 
 def wheel_list() -> dict[str, str]:
-    """NAME==VERSION lines of scripts/gpu_wheels.sh's WHEELS block -> {normalised name: version}."""
-    text = open(os.path.join(ROOT, "scripts", "gpu_wheels.sh")).read()
-    block = re.search(r"WHEELS=\(([^)]*)\)", text)
-    if not block:
-        raise SystemExit("error: no WHEELS=( ... ) list in scripts/gpu_wheels.sh")
-    return {norm(n): v for n, v in re.findall(r"([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.+\-]+)", block.group(1))}
+    """scripts/gpu_wheels.sh's NAMES at the versions uv.lock pins -> {normalised name: version}."""
+    return lock_tool.gpu_wheels()
 
 
 def _guarded(node, parents) -> bool:

@@ -2,24 +2,23 @@
 # Download the wheels scripts/gpu_check.sh installs on the GPU image into .whl/ (gitignored) and print
 # their total size; with the repo it must stay under the device run's 64 MiB. Run from anywhere:
 #   bash scripts/gpu_wheels.sh
-# WHEELS is what the image lacks (or has too old) on the GPU path: scripts/gpu_imports.py, run by
+# NAMES is what the image lacks (or has too old) on the GPU path: scripts/gpu_imports.py, run by
 # `scripts/gpu_check.sh --dry-run` in CI, fails naming any import the image and this list do not cover.
-# Versions are the ones CI tests with (the project venv's); gpu_imports.py checks they match. protobuf
+# Only names here: each version is the one uv.lock pins (scripts/lock_tool.py gpu-wheels), so the
+# card runs what CI tests; gpu_imports.py checks the project venv has the same. protobuf
 # travels too: xprof's generated code (tokamax imports it) needs a runtime >= 6.31, the image's is unread;
 # flax too: k3jax needs >= 0.12.8 and the device docs do not give the image's version; regex too:
 # transformers checks regex >= 2025.10.22 when imported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(
-  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0
-  tokamax==0.0.17 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 pydantic==2.14.4 pydantic-core==2.50.5
-  annotated-types==0.8.0 typing-inspection==0.4.5
-  xprof==2.24.2 fire==0.7.1 termcolor==3.3.0
-  tensorboardX==2.6.5 protobuf==7.36.2 flax==0.12.12
-  transformers==5.25.0 huggingface-hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 regex==2026.12.2
-  flash-linear-attention==0.6.0 fla-core==0.6.0
+NAMES=(
+  grain array-record portpicker tokamax qwix einshape immutabledict pydantic pydantic-core
+  annotated-types typing-inspection xprof fire termcolor tensorboardX protobuf flax transformers
+  huggingface-hub httpx2 httpcore2 truststore regex flash-linear-attention fla-core
 )
 PY=${PYTHON:-python3}
+WHEELS=($("$PY" scripts/lock_tool.py gpu-wheels))
+[ "${#WHEELS[@]}" -eq "${#NAMES[@]}" ] || { echo "error: ${#NAMES[@]} names, ${#WHEELS[@]} locked versions" >&2; exit 1; }
 mkdir -p .whl
 for w in "${WHEELS[@]}"; do
   name=${w%%==*}

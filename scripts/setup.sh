@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv with a Python >= 3.12 found on this machine and install k3jax editable with its
-# dev extras. Idempotent: a second run only checks a stamp and returns.
+# Create .venv with a Python >= 3.12 found on this machine and install exactly uv.lock into it: k3jax
+# editable with its dev extras, every package at the locked version and hash, whatever the registry
+# serves today. Idempotent and fast when nothing changed (uv sync checks the environment against the
+# lock in well under a second), so every `make demo` / `make test` also repairs a drifted .venv.
+# `make lock` refreshes the lock on purpose (docs/dependencies.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
-STAMP=$VENV/.k3jax-installed
+export UV_PYTHON_DOWNLOADS=never UV_PROJECT_ENVIRONMENT=$VENV
 
 is_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
 
@@ -23,13 +26,22 @@ find_python() {
   exit 1
 }
 
-if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && "$VENV/bin/python" -c 'import k3jax' 2>/dev/null; then
-  exit 0
+[ -f uv.lock ] || { echo "error: uv.lock is missing; restore it (git checkout uv.lock) or run make lock" >&2; exit 1; }
+if ! [ -x "$VENV/bin/python" ] || ! is_ok "$VENV/bin/python"; then
+  PY=$(find_python)
+  echo "setup: using $PY ($("$PY" --version))"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
 fi
-PY=$(find_python)
-echo "setup: using $PY ($("$PY" --version))"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[dev]"
-touch "$STAMP"
-echo "setup: .venv ready"
+# uv itself, at the version and hashes uv.lock pins (it is in the dev extra), bootstrapped with pip.
+UV_PIN=$("$VENV/bin/python" scripts/lock_tool.py uv-requirement)
+if ! "$VENV/bin/uv" --version 2>/dev/null | grep -q "^uv ${UV_PIN%% *}\b"; then
+  req=$(mktemp)
+  "$VENV/bin/python" scripts/lock_tool.py uv-requirement --hashes > "$req"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r "$req"
+  rm -f "$req"
+fi
+# --frozen: install the lock as it is, never re-resolve; --exact is uv's default: packages that
+# are not in the lock (a hand install, a newer version) are removed or put back to the locked one.
+"$VENV/bin/uv" sync -q --frozen --extra dev
+"$VENV/bin/python" -c 'import k3jax' || { echo "error: k3jax does not import in $VENV" >&2; exit 1; }
