@@ -98,3 +98,35 @@ def gcs():
                 os.environ[k] = v
         proc.terminate()
         proc.wait(10)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's timeline at the end of its output (under xdist, from the controller's reports): worker
+    time per module and the 15 slowest tests, setup + call + teardown summed, so each change sees what
+    it cost. Also written to .pytest_cache/timeline.json."""
+    import json
+    per_test: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "nodeid", None) and isinstance(getattr(r, "duration", None), float):
+                per_test[r.nodeid] = per_test.get(r.nodeid, 0.0) + r.duration
+    if not per_test:
+        return
+    per_module: dict[str, float] = {}
+    for nodeid, t in per_test.items():
+        per_module[nodeid.split("::")[0]] = per_module.get(nodeid.split("::")[0], 0.0) + t
+    total = sum(per_test.values())
+    w = terminalreporter.write_line
+    terminalreporter.section("timeline")
+    w(f"worker time {total:.0f} s over {len(per_test)} tests; per module (s):")
+    for mod, t in sorted(per_module.items(), key=lambda kv: -kv[1]):
+        w(f"  {t:8.1f}  {100 * t / total:4.1f}%  {mod}")
+    w("15 slowest tests (setup + call + teardown, s):")
+    for nodeid, t in sorted(per_test.items(), key=lambda kv: -kv[1])[:15]:
+        w(f"  {t:8.1f}  {nodeid}")
+    out = Path(__file__).resolve().parents[1] / ".pytest_cache" / "timeline.json"
+    try:
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps({"worker_s": total, "modules": per_module, "tests": per_test}, indent=1))
+    except OSError:
+        pass
