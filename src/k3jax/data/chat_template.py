@@ -17,10 +17,12 @@ arguments) is encoded as ORDINARY text, so a user typing "<|im_end|>" cannot end
 loss mask is 1 on exactly the tokens the assistant produces: its content, tool calls and the
 closing <|im_end|> (the stop token it must learn), 0 on headers, prompts and other roles.
 
-K3 uses different markup (`<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>`): `chat_ids` renders
-any checkpoint's own jinja template (K3, K2, Kimi Linear) in a sandbox to ids, with the same rule
-that message text stays ordinary text; `render` is the built-in K2 markup for tokenizers that ship
-no template.
+A K3 tokenizer (its `<|open|>` / `<|close|>` / `<|sep|>` / `<|end_of_msg|>` control tokens present)
+is rendered by k3jax's native K3 renderer (`k3_chat`, formats.md §3.5a) in `render` and `chat_ids`
+alike, whether or not its directory ships a jinja template: the family decides, not the file. For
+the others, `chat_ids` renders the checkpoint's own jinja template (K2, K2.5, Kimi Linear) in a
+sandbox to ids, with the same rule that message text stays ordinary text; `render` is the built-in
+K2 markup for tokenizers that ship no template.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from k3jax.data import k3_chat
+from k3jax.data.messages import check_media, content_parts, content_text
 from k3jax.data.tokenizer import CHAT_TOKENS, KimiTokenizer, TokenizerError
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -40,51 +44,6 @@ Message = Mapping[str, Any]
 # A rendered piece: ("special", name) a prompt-side control token, ("special_out", name) one the
 # assistant emits (mask 1), or ("text", (str, mask)) ordinary text.
 _Segment = tuple[str, Any]
-
-
-IMAGE_PARTS = ("image", "image_url")
-
-
-def _content_parts(message: Message, images: bool = False) -> list[str | None]:
-    """The content as pieces: the text between image parts as one string, None per image part
-    (``images``; without it an image part is an error). None content is ""."""
-    content = message.get("content")
-    if content is None:
-        return [""]
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, Sequence):
-        out: list[str | None] = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if images and kind in IMAGE_PARTS:
-                out.append(None)
-            elif kind == "text":    # adjacent text parts are one piece (encoded as one string)
-                if out and out[-1] is not None:
-                    out[-1] += str(part["text"])
-                else:
-                    out.append(str(part["text"]))
-            else:
-                raise ValueError(f"only text{' and image' if images else ''} content parts are supported, "
-                                 f"got {part!r}")
-        return out or [""]
-    raise ValueError(f"message content must be a string or a list of parts, got {content!r}")
-
-
-def _content_text(message: Message) -> str:
-    """String content, or the concatenated `text` parts of a list content; None -> ""."""
-    return "".join(_content_parts(message))
-
-
-def count_images(messages: Sequence[Message]) -> int:
-    """Image content parts in a conversation."""
-    return sum(p is None for m in messages if m.get("role") != "tool" for p in _content_parts(m, True))
-
-
-def _check_media(messages: Sequence[Message], media: Sequence[str] | None) -> None:
-    n = count_images(messages) if media is not None else 0
-    if media is not None and n != len(media):
-        raise ValueError(f"the messages have {n} image parts but {len(media)} images were given")
 
 
 def _tool_call_segments(calls: Sequence[Mapping[str, Any]]) -> list[_Segment]:
@@ -108,7 +67,7 @@ def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
               default_system: str | None, media: Sequence[str] | None = None) -> list[_Segment]:
     """Template structure as ("special", name) / ("text", (str, mask)) / ("media", prompt) pieces,
     in order; image part i becomes ("media", media[i]) (prompt-side, mask 0)."""
-    _check_media(messages, media)
+    check_media(messages, media)
     images = iter(media or ())
     segs: list[_Segment] = []
     if tools:
@@ -123,7 +82,7 @@ def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
     for message in messages:
         role = message.get("role")
         if role == "tool":
-            body = f"## Return of {message.get('tool_call_id')}\n{_content_text(message)}"
+            body = f"## Return of {message.get('tool_call_id')}\n{content_text(message)}"
             segs += [("special", "<|im_system|>"), ("text", ("tool", 0)),
                      ("special", "<|im_middle|>"), ("text", (body, 0)),
                      ("special", "<|im_end|>")]
@@ -134,7 +93,7 @@ def _segments(messages: Sequence[Message], *, add_generation_prompt: bool,
         segs += [("special", ROLE_TOKEN[role]), ("text", (message.get("name") or role, 0)),
                  ("special", "<|im_middle|>")]
         segs += [("text", (p, out)) if p is not None else ("media", next(images))
-                 for p in _content_parts(message, media is not None)]
+                 for p in content_parts(message, media is not None)]
         if role == "assistant" and message.get("tool_calls"):
             segs += _tool_call_segments(message["tool_calls"])
         segs.append(("special_out" if out else "special", "<|im_end|>"))
@@ -152,7 +111,8 @@ def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
     """Render a conversation to token ids and a per-token loss mask.
 
     Args:
-      tokenizer: a `KimiTokenizer` with the K2 chat control tokens.
+      tokenizer: a `KimiTokenizer` with the K2 chat control tokens, or K3's (then `k3_chat.render`
+        with K3's defaults: thinking on, thinking_effort "max"; `default_system` does not apply).
       messages: `[{"role": "system"|"user"|"assistant"|"tool", "content": str | [text parts],
         optional "name", "tool_calls", "tool_call_id"}, ...]`.
       add_generation_prompt: append `<|im_assistant|>assistant<|im_middle|>` (inference); use
@@ -167,10 +127,13 @@ def render(tokenizer: KimiTokenizer, messages: Sequence[Message], *,
       output (content, tool calls, closing <|im_end|>). The training target weight of position
       t is mask[t + 1].
     """
+    if k3_chat.is_k3(tokenizer):      # K3 has no default system prompt
+        return k3_chat.render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                              media=media)
     missing = [t for t in CHAT_TOKENS if t not in tokenizer.special_ids]
     if missing:
-        raise TokenizerError(f"tokenizer lacks the K2 chat tokens {missing}; render K3-style "
-                             "templates with render_with_jinja")
+        raise TokenizerError(f"tokenizer lacks the K2 chat tokens {missing} and K3's {list(k3_chat.MARKERS)}: "
+                             "it cannot render a chat")
     ids: list[int] = []
     mask: list[int] = []
     for kind, value in _segments(messages, add_generation_prompt=add_generation_prompt,
@@ -246,10 +209,14 @@ def _specials_in(text: str, tokenizer: KimiTokenizer) -> list[str]:
     return [name for name in tokenizer.special_ids if name in text]
 
 
+K3_TEMPLATE_KWARGS = ("thinking", "thinking_effort")
+
+
 def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
              tools: Sequence[Mapping[str, Any]] | None = None,
              template_kwargs: Mapping[str, Any] | None = None,
-             media: Sequence[str] | None = None) -> list[int]:
+             media: Sequence[str] | None = None, tool_choice: str | None = None,
+             response_format: Mapping[str, Any] | None = None) -> list[int]:
     """A conversation -> prompt ids in the checkpoint's own chat markup; the text messages carry
     (content, names, tool-call ids and arguments) stays ORDINARY text, so a user typing
     `<|im_end|>` or `<|end_of_msg|>` cannot close a turn.
@@ -270,12 +237,28 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
     `MediaItem.prompt`: K3's `<|media_begin|>image {W}x{H}<|media_content|>` + pads +
     `<|media_end|>`, K2.5's without the size); each sits where its part sits in the message text
     and is encoded with its control tokens (it is markup the processor wrote, not user text).
+
+    A K3 tokenizer: `k3_chat.render`; `template_kwargs` may hold `thinking` (default True) and
+    `thinking_effort` (low / high / max, default max) and nothing else; `tool_choice` "required" /
+    "none" and `response_format` (json_object / json_schema) render K3's internal turns. The other
+    families have no such turns: `response_format` or those `tool_choice` values are a ValueError.
     """
+    if k3_chat.is_k3(tokenizer):
+        kw = dict(template_kwargs or {})
+        bad = sorted(set(kw) - set(K3_TEMPLATE_KWARGS))
+        if bad:
+            raise ValueError(f"chat_template_kwargs {bad}: K3's renderer takes only {list(K3_TEMPLATE_KWARGS)}")
+        if not isinstance(kw.get("thinking", True), bool):
+            raise ValueError(f"thinking must be true or false, got {kw['thinking']!r}")
+        return k3_chat.render(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                              media=media, tool_choice=tool_choice, response_format=response_format, **kw)[0]
+    if response_format is not None or tool_choice in ("required", "none"):
+        raise ValueError("tool_choice / response_format turns exist only in K3's chat format")
     template = tokenizer.chat_template
     if template is None:
         return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                       media=media)[0]
-    _check_media(messages, media)
+    check_media(messages, media)
     bad = _specials_in(json.dumps(list(tools or []), ensure_ascii=False), tokenizer)
     if bad:
         raise ValueError(f"tool schemas contain the special-token strings {bad[:3]}; remove them")
@@ -295,10 +278,10 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
 
     def mark_content(m: Message) -> str:   # text pieces marked, image part i -> marker "m<i>"
         return "".join(mark(p) if p is not None else f"\ue000{nonce}:m{next(n_media)}\ue001"
-                       for p in _content_parts(m, with_images))
+                       for p in content_parts(m, with_images))
 
     def plain_content(m: Message, images) -> str:
-        return "".join(p if p is not None else next(images) for p in _content_parts(m, with_images))
+        return "".join(p if p is not None else next(images) for p in content_parts(m, with_images))
 
     marked = []
     for m in messages:

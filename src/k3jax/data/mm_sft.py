@@ -40,6 +40,7 @@ import numpy as np
 from k3jax.data import chat_template
 from k3jax.data import pipeline as P
 from k3jax.data import sft as sft_lib
+from k3jax.data.messages import count_images
 from k3jax.data.sources import DataError, JsonlSource, expand_paths
 from k3jax.data.vision_processor import (MediaItem, ProcessorConfig, VisionInputError, check_media_limit,
                                          process_image)
@@ -127,7 +128,7 @@ def split_markers(messages: list, n_images: int) -> list[dict]:
                 if piece:
                     parts.append({"type": "text", "text": piece})
             m = dict(m, content=parts)
-        count += chat_template.count_images([m])
+        count += count_images([m])
         out.append(m)
     if count != n_images:
         raise ValueError(f"{count} {IMAGE_MARKER} markers but {n_images} images")

@@ -35,9 +35,17 @@ KIMI_SPECIAL_OFFSETS = {
     17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>",
     21: "<|media_pad|>", 22: "<think>", 23: "</think>",
 }
+# K3 renames the block (formats.md §3.4): <|end_of_msg|> and the XTML markers <|open|> <|close|> <|sep|>
+# where K2 has <|im_end|> <|im_user|> <|im_assistant|>; K2's other chat and tool-call names are not
+# K3's (reserved here), the media tokens stay.
+K3_SPECIAL_OFFSETS = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
+    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
+}
 # The last two ids of the block, like 163838 / 163839 in the real vocabulary.
 KIMI_SPECIAL_FROM_END = {2: "[UNK]", 1: "[PAD]"}
 MIN_RESERVED = max(KIMI_SPECIAL_OFFSETS) + 1 + len(KIMI_SPECIAL_FROM_END)
+FAMILIES = ("k2", "k3")
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -184,19 +192,23 @@ def _learn_merges(corpus: str, num_merges: int, *, exact: bool = True) -> list[b
     return merges
 
 
-def special_token_names(num_reserved: int) -> list[str]:
-    """Names of the reserved block, offset 0 .. num_reserved-1, in Kimi's relative layout."""
+def special_token_names(num_reserved: int, family: str = "k2") -> list[str]:
+    """Names of the reserved block, offset 0 .. num_reserved-1, in Kimi's relative layout (K2's
+    names, or K3's with ``family="k3"``); None for a reserved id."""
     if num_reserved < MIN_RESERVED:
         raise ValueError(f"num_reserved must be >= {MIN_RESERVED} to hold Kimi's layout")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    table = K3_SPECIAL_OFFSETS if family == "k3" else KIMI_SPECIAL_OFFSETS
     names = []
     for k in range(num_reserved):
-        name = KIMI_SPECIAL_OFFSETS.get(k) or KIMI_SPECIAL_FROM_END.get(num_reserved - k)
+        name = table.get(k) or KIMI_SPECIAL_FROM_END.get(num_reserved - k)
         names.append(name)
     return names
 
 
 def build(out_dir: str | os.PathLike, *, vocab_size: int = 1024, num_reserved: int = 256,
-          corpus: str | None = None, num_merges: int | None = None) -> str:
+          corpus: str | None = None, num_merges: int | None = None, family: str = "k2") -> str:
     """Write `tiktoken.model` + `tokenizer_config.json` for a tiny Kimi-style tokenizer.
 
     Base ranks are the 256 bytes, then learned merges, then (only when the vocabulary is larger
@@ -213,6 +225,9 @@ def build(out_dir: str | os.PathLike, *, vocab_size: int = 1024, num_reserved: i
       corpus: text to learn merges from; defaults to `BUILTIN_CORPUS` (~1000 merges).
       num_merges: exact number of merges to learn (ValueError if the corpus cannot supply
         them); None learns as many as fit, up to what the corpus supports.
+      family: "k2" (K2's special names and a K2-shaped jinja chat template) or "k3" (K3's
+        <|end_of_msg|> / <|open|> / <|close|> / <|sep|>, no template: k3jax renders K3's format
+        natively, data/k3_chat.py).
     Returns:
       `out_dir` as a string.
     """
@@ -221,7 +236,7 @@ def build(out_dir: str | os.PathLike, *, vocab_size: int = 1024, num_reserved: i
         raise ValueError(f"vocab_size {vocab_size} < 256 bytes + {num_reserved} reserved ids")
     if num_merges is not None and not 0 <= num_merges <= room:
         raise ValueError(f"num_merges {num_merges} does not fit in {room} free ids")
-    names = special_token_names(num_reserved)
+    names = special_token_names(num_reserved, family)
     text = BUILTIN_CORPUS if corpus is None else corpus
     if num_merges is None:
         merges = _learn_merges(text, room, exact=False)
@@ -250,22 +265,25 @@ def build(out_dir: str | os.PathLike, *, vocab_size: int = 1024, num_reserved: i
         "k3jax_placeholder_tokens": len(placeholders),
         "model_max_length": 1_048_576,
         "tokenizer_class": "TikTokenTokenizer",
-        "chat_template": KIMI_CHAT_TEMPLATE,
     }
+    if family == "k2":
+        config["chat_template"] = KIMI_CHAT_TEMPLATE
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1, ensure_ascii=False)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m k3jax.data.tiny_tokenizer OUT_DIR [VOCAB_SIZE [NUM_RESERVED]]`."""
+    """`python -m k3jax.data.tiny_tokenizer [--k3] OUT_DIR [VOCAB_SIZE [NUM_RESERVED]]` (--k3: K3's names)."""
     import sys
     args = sys.argv[1:] if argv is None else argv
+    family = "k3" if "--k3" in args else "k2"
+    args = [a for a in args if a != "--k3"]
     if not 1 <= len(args) <= 3:
         raise SystemExit(main.__doc__)
     vocab = int(args[1]) if len(args) > 1 else 1024
     reserved = int(args[2]) if len(args) > 2 else 256
-    print(build(args[0], vocab_size=vocab, num_reserved=reserved))
+    print(build(args[0], vocab_size=vocab, num_reserved=reserved, family=family))
 
 
 if __name__ == "__main__":
