@@ -220,6 +220,37 @@ def test_a_burst_prefills_before_its_rows_decode(served):
     assert steps == steps0 and waited < eager and waited <= steps // 5 + 1, (waited, eager, steps)
 
 
+def _generate(engine, prompt, n, **kw):
+    """One greedy request straight to the engine -> its generated token ids."""
+    from k3jax.serve.engine import Request
+    done, out = threading.Event(), []
+
+    def sink(e):
+        out.extend(e.tokens)
+        if e.finish_reason:
+            done.set()
+    engine.submit(Request(prompt=list(prompt), max_tokens=n, sink=sink, temperature=0.0, ignore_eos=True, **kw))
+    assert done.wait(300)
+    return out
+
+
+def test_a_banned_token_is_not_sampled_after_its_allowance(served):
+    """tool_choice="none"'s ban through the engine, the wire and the device programs (the first token
+    from the prefill, the rest from single and several-step decode calls): a banned token never
+    appears once its allowance is used, and the tokens before that point are unchanged."""
+    prompt = [int(x) for x in np.random.default_rng(11).integers(10, 400, 20)]
+    free = _generate(served.engine, prompt, 10)
+    first, later = free[0], free[4]
+    got = _generate(served.engine, prompt, 10, ban_token=first, ban=0)       # banned at the prefill
+    assert first not in got and got[0] != first
+    got = _generate(served.engine, prompt, 10, ban_token=later, ban=0)       # banned in decode
+    cut = free.index(later)
+    assert later not in got and got[:cut] == free[:cut]
+    once = _generate(served.engine, prompt, 10, ban_token=later, ban=1)      # allowed once
+    assert once.count(later) == 1 and once[:cut + 1] == free[:cut + 1]
+    assert _generate(served.engine, prompt, 10, ban_token=later, ban=-1) == free
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     url, c, name = served.url, served.client, served.name
     status, _, body = post(url, "/v1/completions", "{not json")
@@ -410,13 +441,14 @@ def test_wire_round_trip():
     rng = np.random.default_rng(0)
     w = Wire(slots=4, max_chunk=16, rows=3)
     dec = Step.decode(rng.integers(0, 500, 4), rng.integers(0, 90, 4), [True, False, True, True],
-                      rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2])
-    pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9)
+                      rng.random(4), [0, 3, 0, 40], [1.0, 0.9, 0.5, 1.0], [0, 2**32 - 1, 7, 123456789], [0, 5, 1, 2],
+                      [-1, 0, 5 << 20 | 163587, 1 << 20 | 3])
+    pre = Step.prefill(3, rng.integers(0, 500, 11), 32, 0.7, 5, 0.95, 2**31 + 5, 9, 1 << 20 | 489)
     cache_steps = [Step.ints("save_block", 1, 48, 7), Step.ints("save_state", 2, 2**31 - 1), Step.ints("drop", 5),
                    Step.ints("load_block", 3, 0, 9), Step.ints("load_state", 0, 8)]
-    lp = Step.prefill_lp(1, rng.integers(0, 500, 16), 16, 0.0, 0, 1.0, 3, 0, rng.integers(0, 500, 15))
+    lp = Step.prefill_lp(1, rng.integers(0, 500, 16), 16, 0.0, 0, 1.0, 3, 0, rng.integers(0, 500, 15), ban=488)
     rows = Step.prefill_rows([2, 0], [rng.integers(0, 500, 16), rng.integers(0, 500, 5)], [0, 48], [0.0, 0.8],
-                             [0, 7], [1.0, 0.9], [2**32 - 1, 4], [0, 3])
+                             [0, 7], [1.0, 0.9], [2**32 - 1, 4], [0, 3], [-1, 2 << 20 | 17])
     multi = Step.decode(*dec.args, kind="decode_steps")
     for step in (dec, multi, pre, lp, rows, Step.reset(2), Step.ints("copy", 1, 3), Step("noop"), Step("stop"), *cache_steps):
         back = w.unpack(w.pack(step))

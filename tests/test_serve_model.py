@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import randomize
 from k3jax import config as C
 from k3jax import model as M
-from k3jax.sampling import argmax_rows, logprobs, sample_rows
+from k3jax.sampling import argmax_rows, ban_left, logprobs, pack_ban, sample_rows
 
 CHUNK = 8
 
@@ -116,3 +116,26 @@ def test_sample_rows():
     chosen, ids, lp = logprobs(logits, jnp.asarray(greedy, jnp.int32), 2)
     np.testing.assert_allclose(chosen, lp[:, 0], rtol=1e-6)
     assert (np.asarray(ids[:, 0]) == greedy).all()
+
+
+def test_ban_keeps_a_token_out_after_its_allowance():
+    """tool_choice="none": a row's banned token is never sampled once its allowance is used (greedy or
+    not); other rows and other tokens are untouched; sampling it uses one of the times allowed."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((4, 50)).astype(np.float32))
+    keys = jax.random.split(jax.random.key(0), 4)
+    greedy = np.argmax(np.asarray(logits), -1)
+    second = np.argsort(-np.asarray(logits), -1)[:, 1]
+    f = jax.jit(sample_rows)
+    zero, one, k0 = jnp.zeros(4), jnp.ones(4), jnp.zeros(4, jnp.int32)
+    ban = jnp.asarray([pack_ban(int(greedy[0]), 0), pack_ban(int(greedy[1]), 1), -1, pack_ban(int(second[3]), 0)],
+                      jnp.int32)
+    got = np.asarray(f(logits, keys, zero, k0, one, ban))
+    assert got[0] == second[0]                       # banned now: the next best
+    assert got[1] == greedy[1] and got[2] == greedy[2] and got[3] == greedy[3]   # allowed once / none / another
+    for s in range(30):                              # sampled rows never draw it either
+        d = np.asarray(f(logits, jax.random.split(jax.random.key(s), 4), one * 5, k0, one, ban))
+        assert d[0] != greedy[0]
+    left = np.asarray(ban_left(ban, jnp.asarray(got)))
+    assert list(left) == [int(ban[0]), pack_ban(int(greedy[1]), 0), -1, int(ban[3])]
+    assert pack_ban(-1, 3) == pack_ban(7, -1) == -1

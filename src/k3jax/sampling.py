@@ -24,15 +24,43 @@ def argmax_rows(logits):
     return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), -1).astype(jnp.int32)
 
 
-def sample_rows(logits, keys, temperature, top_k, top_p):
+BAN_ID_BITS = 20            # a ban packs (times still allowed << BAN_ID_BITS) | token id; vocabularies < 2^20
+
+
+def pack_ban(token: int, allowed: int) -> int:
+    """One row's ban as an int32: ``token`` may be sampled ``allowed`` more times, then never; -1 (no
+    ban) when either is negative. The server bans the tool-call section's opening token for
+    ``tool_choice="none"``."""
+    if token < 0 or allowed < 0:
+        return -1
+    if token >= 1 << BAN_ID_BITS or allowed >= 1 << (31 - BAN_ID_BITS):
+        raise ValueError(f"ban of token {token} after {allowed}: out of range")
+    return allowed << BAN_ID_BITS | token
+
+
+def ban_left(ban, tokens):
+    """The bans [B] after the rows sampled ``tokens`` [B]: sampling the banned token uses one of the
+    times still allowed."""
+    token, allowed = ban & ((1 << BAN_ID_BITS) - 1), ban >> BAN_ID_BITS
+    return jnp.where((ban >= 0) & (allowed > 0) & (tokens == token), ban - (1 << BAN_ID_BITS), ban)
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p, ban=None):
     """logits [B,V] f32; keys [B] (typed PRNG keys); temperature [B] f32 (<= 0 = greedy);
     top_k [B] int32 (0 = off); top_p [B] f32 (1 = off) -> token ids [B] int32.
+
+    ``ban`` [B] int32 (``pack_ban``; None or -1 = none): a row whose ban allows its token no more
+    times cannot sample it, greedy or not.
 
     A sampled row keeps the top_k most likely tokens, then the smallest head of them whose
     probability reaches top_p (the most likely token always stays), and draws from the remaining
     softmax(logits / temperature). Tokens tied with the cut-off value stay. The full-vocabulary
     sort runs only when some row samples (a ``lax.cond``), so an all-greedy batch pays an argmax.
     """
+    if ban is not None:
+        rows, token = jnp.arange(logits.shape[0]), jnp.where(ban >= 0, ban & ((1 << BAN_ID_BITS) - 1), 0)
+        banned = (ban >= 0) & (ban >> BAN_ID_BITS == 0)
+        logits = logits.at[rows, token].set(jnp.where(banned, -jnp.inf, logits[rows, token]))
     first = argmax_rows(logits)
     hot = temperature > 0
 

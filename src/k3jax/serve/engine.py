@@ -53,6 +53,7 @@ from typing import Callable
 
 import numpy as np
 
+from k3jax.sampling import pack_ban
 from k3jax.serve.pod import Link, Step, Wire
 from k3jax.serve.prefix_cache import PrefixCache
 from k3jax.serve.text import TextState
@@ -93,6 +94,9 @@ class Request:
     media: tuple = ()                         # (token position, content digest) per media item: prefix cache keys
     images: tuple = ()                        # processed images (vision_processor.MediaItem), pads in prompt
     prompt_logprobs: int | None = None        # echo: alternatives per prompt token (None = not scored)
+    ban_token: int = -1                       # a token it may sample only ``ban`` times (-1: none); the
+    ban: int = -1                             # tool-call opener for tool_choice="none" (K3: <|open|> once, for
+                                              # the response channel after thinking; K2: the section token, 0)
     copies: list = dataclasses.field(default_factory=list)   # n > 1: the other choices (they share r's prefill)
     # engine state
     slot: int = -1
@@ -371,7 +375,9 @@ class Engine:
             self.metrics.prefix_evicted(plan.evicted)
 
     def _sampling(self, r: Request):
-        return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated)
+        """(temperature, top_k, top_p, seed, counter, ban) of r's next sample."""
+        ban = pack_ban(r.ban_token, r.ban if r.ban < 0 else max(r.ban - r.generated.count(r.ban_token), 0))
+        return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated), ban
 
     def _prefill(self, prefilling: list[Request]) -> None:
         """One prefill step: the oldest prompt's next chunk, batched with the next oldest text prompts'."""
@@ -396,12 +402,14 @@ class Engine:
             self._start_media(r)
         if r.media_id >= 0:       # the k-th pad of the prompt takes row k of its image rows
             first = r.media_row + int(np.searchsorted(self._pads(r), start))
-            out = self._run_step(Step.prefill_media(r.slot, piece, start, *self._sampling(r), r.media_id, first))
+            *sampling, ban = self._sampling(r)
+            out = self._run_step(Step.prefill_media(r.slot, piece, start, *sampling, r.media_id, first, ban=ban))
         elif r.prompt_logprobs is None:
             out = self._run_step(Step.prefill(r.slot, piece, start, *self._sampling(r)))
         else:
             targets = r.prompt[start + 1:start + len(piece) + 1]
-            out = self._run_step(Step.prefill_lp(r.slot, piece, start, *self._sampling(r), targets))
+            *sampling, ban = self._sampling(r)
+            out = self._run_step(Step.prefill_lp(r.slot, piece, start, *sampling, targets, ban=ban))
             for t, lp, ids, lps in zip(targets, *out[4:]):
                 r.prompt_entries.append(self._logprob_entry(t, lp, ids, lps, r.prompt_logprobs))
         r.prefilled += len(piece)
@@ -433,21 +441,21 @@ class Engine:
         one token."""
         b = len(self.slots)
         tokens, pos, counters, top_k = (np.zeros(b, np.int32) for _ in range(4))
+        ban = np.full(b, -1, np.int32)
         seeds = np.zeros(b, np.uint32)
         temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
         active = np.zeros(b, bool)
         for r in rows:
             i = r.slot
-            t, k, p, s, c = self._sampling(r)
             last = r.generated[-1] if r.generated else r.prompt[-1]    # a copy's first step: the last prompt token
             tokens[i], pos[i], active[i] = last, len(r.prompt) + len(r.generated) - 1, True
-            temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = t, k, p, s, c
+            temperature[i], top_k[i], top_p[i], seeds[i], counters[i], ban[i] = self._sampling(r)
         k = self.p.steps
         many = (steady and k > 1 and all(pos[r.slot] + k <= self.p.length for r in rows)
                 and any(r.max_tokens - len(r.generated) > 1 for r in rows))
         self.decode_log.append((self.iteration, tuple(sorted(r.id for r in rows))))
         self.multi_steps += many
-        out = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p, seeds, counters,
+        out = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban,
                                          kind="decode_steps" if many else "decode"))
         for j in range(k if many else 1):
             tok, lp, top_ids, top_lp = (o[j] for o in out) if many else out

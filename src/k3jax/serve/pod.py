@@ -41,38 +41,42 @@ class Step:
     args: tuple = ()
 
     @classmethod
-    def decode(cls, tokens, pos, active, temperature, top_k, top_p, seeds, counters, kind: str = "decode"):
-        """One decode step (``kind="decode_steps"``: the programs' several steps in one)."""
+    def decode(cls, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban=None, kind: str = "decode"):
+        """One decode step (``kind="decode_steps"``: the programs' several steps in one). ``ban``: per
+        row, how often it may still sample the programs' ``ban_token`` (-1 = always; None: -1 for all)."""
+        ban = np.full(len(tokens), -1, np.int32) if ban is None else ban
         return cls(kind, (np.asarray(tokens, np.int32), np.asarray(pos, np.int32), np.asarray(active, bool),
                               np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
                               np.asarray(top_p, np.float32), np.asarray(seeds, np.uint32),
-                              np.asarray(counters, np.int32)))
+                              np.asarray(counters, np.int32), np.asarray(ban, np.int32)))
 
     @classmethod
-    def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
+    def prefill(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban=-1):
         return cls("prefill", (int(slot), np.asarray(tokens, np.int32), int(pos), float(np.float32(temperature)),
-                               int(top_k), float(np.float32(top_p)), int(seed) & 0xFFFFFFFF, int(counter)))
+                               int(top_k), float(np.float32(top_p)), int(seed) & 0xFFFFFFFF, int(counter), int(ban)))
 
     @classmethod
-    def prefill_rows(cls, slots, tokens, pos, temperature, top_k, top_p, seeds, counters):
+    def prefill_rows(cls, slots, tokens, pos, temperature, top_k, top_p, seeds, counters, ban=None):
         """A chunk of each of several prompts in one step: ``tokens`` a list of chunks, the rest one
         value per prompt."""
+        ban = np.full(len(slots), -1, np.int32) if ban is None else ban
         return cls("prefill_rows", (np.asarray(slots, np.int32), [np.asarray(t, np.int32) for t in tokens],
                                     np.asarray(pos, np.int32), np.asarray(temperature, np.float32),
                                     np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-                                    np.asarray(seeds, np.uint32), np.asarray(counters, np.int32)))
+                                    np.asarray(seeds, np.uint32), np.asarray(counters, np.int32),
+                                    np.asarray(ban, np.int32)))
 
     @classmethod
-    def prefill_lp(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
+    def prefill_lp(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets, ban=-1):
         """A prefill chunk that also scores the prompt (``targets``: the token after each of ``tokens``)."""
-        return cls("prefill_lp", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter).args
+        return cls("prefill_lp", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban).args
                    + (np.asarray(targets, np.int32),))
 
     @classmethod
-    def prefill_media(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first):
+    def prefill_media(cls, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first, ban=-1):
         """A prefill chunk whose image pads take the rows kept as ``key`` from row ``first`` on."""
-        return cls("prefill_media", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter).args
-                   + (int(key), int(first)))
+        return cls("prefill_media", cls.prefill(slot, tokens, pos, temperature, top_k, top_p, seed, counter,
+                                                ban).args + (int(key), int(first)))
 
     @classmethod
     def vision(cls, key, bucket, items):
@@ -107,42 +111,42 @@ class Wire:
     def __init__(self, slots: int, max_chunk: int, rows: int = 1, media_items: int = 0, patch_dim: int = 0):
         self.b, self.c, self.r = slots, max_chunk, rows
         self.media_items, self.patch_dim = media_items, patch_dim
-        self.size = 2 + max(8 * slots, 10 + 2 * max_chunk, rows * (8 + max_chunk), 2 + 4 * media_items)
+        self.size = 2 + max(9 * slots, 11 + 2 * max_chunk, rows * (9 + max_chunk), 2 + 4 * media_items)
 
     def pack(self, step: Step) -> np.ndarray:
         out = np.zeros(self.size, np.int32)
         out[0] = KINDS.index(step.kind)
         if step.kind in ("decode", "decode_steps"):
-            tokens, pos, active, temperature, top_k, top_p, seeds, counters = step.args
+            tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban = step.args
             cols = [tokens, pos, active.astype(np.int32), _bits(temperature, np.float32), top_k,
-                    _bits(top_p, np.float32), _bits(seeds, np.uint32), counters]
-            out[2:2 + 8 * self.b] = np.concatenate([np.asarray(c, np.int32) for c in cols])
+                    _bits(top_p, np.float32), _bits(seeds, np.uint32), counters, ban]
+            out[2:2 + 9 * self.b] = np.concatenate([np.asarray(c, np.int32) for c in cols])
         elif step.kind in ("prefill", "prefill_lp"):
-            slot, tokens, pos, temperature, top_k, top_p, seed, counter = step.args[:8]
+            slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban = step.args[:9]
             out[1] = len(tokens)
-            targets = step.args[8] if step.kind == "prefill_lp" else ()
-            out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
-                         _bits(seed, np.uint32), counter, len(targets)]
-            out[10:10 + len(tokens)] = tokens
-            out[10 + self.c:10 + self.c + len(targets)] = targets
+            targets = step.args[9] if step.kind == "prefill_lp" else ()
+            out[2:11] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
+                         _bits(seed, np.uint32), counter, len(targets), ban]
+            out[11:11 + len(tokens)] = tokens
+            out[11 + self.c:11 + self.c + len(targets)] = targets
         elif step.kind == "prefill_media":
-            slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first = step.args
+            slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, key, first = step.args
             out[1] = len(tokens)
-            out[2:10] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
-                         _bits(seed, np.uint32), counter, 0]
-            out[10:10 + len(tokens)] = tokens
-            out[10 + self.c:12 + self.c] = [key, first]
+            out[2:11] = [slot, pos, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
+                         _bits(seed, np.uint32), counter, 0, ban]
+            out[11:11 + len(tokens)] = tokens
+            out[11 + self.c:13 + self.c] = [key, first]
         elif step.kind == "prefill_rows":
-            slots, tokens, pos, temperature, top_k, top_p, seeds, counters = step.args
+            slots, tokens, pos, temperature, top_k, top_p, seeds, counters, ban = step.args
             n, r = len(slots), self.r
             lengths = [len(t) for t in tokens]
             cols = [slots, pos, lengths, _bits(temperature, np.float32), top_k, _bits(top_p, np.float32),
-                    _bits(seeds, np.uint32), counters]
+                    _bits(seeds, np.uint32), counters, ban]
             out[1] = n
             for j, c in enumerate(cols):
                 out[2 + j * r:2 + j * r + n] = np.asarray(c, np.int32)
             for i, t in enumerate(tokens):
-                at = 2 + 8 * r + i * self.c
+                at = 2 + 9 * r + i * self.c
                 out[at:at + len(t)] = t
         elif step.kind == "vision":
             key, bucket, items = step.args
@@ -182,28 +186,28 @@ class Wire:
         arr = np.asarray(arr, np.int32)
         kind = KINDS[int(arr[0])]
         if kind in ("decode", "decode_steps"):
-            c = arr[2:2 + 8 * self.b].reshape(8, self.b)
+            c = arr[2:2 + 9 * self.b].reshape(9, self.b)
             return Step.decode(c[0], c[1], c[2].astype(bool), c[3].view(np.float32), c[4], c[5].view(np.float32),
-                               c[6].view(np.uint32), c[7], kind=kind)
+                               c[6].view(np.uint32), c[7], c[8], kind=kind)
         if kind in ("prefill", "prefill_lp"):
             n = int(arr[1])
-            h = arr[2:10]
-            step = Step.prefill(h[0], arr[10:10 + n], h[1], h[2:3].view(np.float32)[0], h[3],
-                                h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6])
+            h = arr[2:11]
+            step = Step.prefill(h[0], arr[11:11 + n], h[1], h[2:3].view(np.float32)[0], h[3],
+                                h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6], h[8])
             if kind == "prefill":
                 return step
-            return Step("prefill_lp", step.args + (arr[10 + self.c:10 + self.c + int(h[7])].copy(),))
+            return Step("prefill_lp", step.args + (arr[11 + self.c:11 + self.c + int(h[7])].copy(),))
         if kind == "prefill_media":
-            h = arr[2:10]
-            return Step.prefill_media(h[0], arr[10:10 + int(arr[1])], h[1], h[2:3].view(np.float32)[0], h[3],
+            h = arr[2:11]
+            return Step.prefill_media(h[0], arr[11:11 + int(arr[1])], h[1], h[2:3].view(np.float32)[0], h[3],
                                       h[4:5].view(np.float32)[0], h[5:6].view(np.uint32)[0], h[6],
-                                      arr[10 + self.c], arr[11 + self.c])
+                                      arr[11 + self.c], arr[12 + self.c], ban=h[8])
         if kind == "prefill_rows":
             n, r = int(arr[1]), self.r
-            c = arr[2:2 + 8 * r].reshape(8, r)[:, :n]
-            tokens = [arr[2 + 8 * r + i * self.c:2 + 8 * r + i * self.c + int(c[2, i])] for i in range(n)]
+            c = arr[2:2 + 9 * r].reshape(9, r)[:, :n]
+            tokens = [arr[2 + 9 * r + i * self.c:2 + 9 * r + i * self.c + int(c[2, i])] for i in range(n)]
             return Step.prefill_rows(c[0], tokens, c[1], c[3].view(np.float32), c[4], c[5].view(np.float32),
-                                     c[6].view(np.uint32), c[7])
+                                     c[6].view(np.uint32), c[7], c[8])
         if kind in INT_KINDS:
             return Step.ints(kind, *arr[2:2 + int(arr[1])])
         if kind == "vision":     # the images' heads only: ``attach`` adds the patches

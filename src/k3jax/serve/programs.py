@@ -40,8 +40,9 @@ latent cache region. These programs run on it, each compiled once, ahead of time
   conv state; saved pieces stay on device in ``self.store`` under an id the engine chooses (every
   process of a pod holds its shards of them), ``drop`` frees one.
 
-Each program samples on device (per-row temperature / top-k / top-p and a key folded from the
-request's seed and its token count, so a request's samples do not depend on its neighbours) and
+Each program samples on device (per-row temperature / top-k / top-p, a banned token
+(``sampling.pack_ban``: -1 none) and a key folded from the request's seed and its token count, so
+a request's samples do not depend on its neighbours) and
 returns token ids, their log-probabilities and the top ``TOP_LOGPROBS`` alternatives, replicated
 on every device, so any process can read them.
 """
@@ -54,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.data.vision_processor import VisionInputError, patch_bucket
-from k3jax.sampling import logprobs, sample_rows
+from k3jax.sampling import ban_left, logprobs, sample_rows
 from k3jax.sharding import sharding_for
 
 TOP_LOGPROBS = 20   # OpenAI's upper bound for chat top_logprobs (completions allow 5)
@@ -249,17 +250,21 @@ class Programs:
                 out.append(x.at[lead + (idx[:, None], write)].set(tok.astype(x.dtype), mode="drop"))
         return out
 
-    def _decode_rows(self, state, rows, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+    def _sample(self, logits, seeds, counters, temperature, top_k, top_p, ban):
+        return sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p, ban)
+
+    def _decode_rows(self, state, rows, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         """One decode step on gathered rows -> ((tokens, logprob, top ids, top logprobs), new rows)."""
         n = tokens.shape[0]
         write = jnp.where(active, pos, self.length)                # idle rows write past the end
         tree = jax.tree.unflatten(self._tdef, rows)
         logits, new = self._model(state).decode_step(tokens, tree, write, jnp.zeros((n,), jnp.int32))
         new = self._rows(jax.tree.leaves(new), rows, active)
-        tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
+        tok = self._sample(logits, seeds, counters, temperature, top_k, top_p, ban)
         return (tok, *logprobs(logits, tok, self._k(logits))), new
 
-    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters, steps):
+    def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban,
+                   steps):
         """``steps`` (<= K) decode steps of the N slots ``idx`` (sorted; all B slots in order for the
         largest bucket): step j decodes the token step j - 1 sampled, at the next position, with the
         next key -> outputs [K, N, ...] (those past ``steps`` are zeros), the new cache. The rows are
@@ -267,31 +272,31 @@ class Programs:
         k = self.steps
         rows = self._gather(cache, idx)
         shapes = jax.eval_shape(lambda: self._decode_rows(state, rows, tokens, pos, active, temperature, top_k,
-                                                          top_p, seeds, counters)[0])
+                                                          top_p, seeds, counters, ban)[0])
         outs = [jnp.zeros((k, *o.shape), o.dtype) for o in shapes]
 
         def step(j, carry):
-            rows, tok, at, ctr, outs = carry
-            out, rows = self._decode_rows(state, rows, tok, at, active, temperature, top_k, top_p, seeds, ctr)
+            rows, tok, at, ctr, ban, outs = carry
+            out, rows = self._decode_rows(state, rows, tok, at, active, temperature, top_k, top_p, seeds, ctr, ban)
             outs = [jax.lax.dynamic_update_index_in_dim(b, o, j, 0) for b, o in zip(outs, out)]
-            return rows, out[0], at + 1, ctr + 1, outs
+            return rows, out[0], at + 1, ctr + 1, ban_left(ban, out[0]), outs
 
-        rows, *_, outs = jax.lax.fori_loop(0, steps, step, (rows, tokens, pos, counters, outs))
+        rows, *_, outs = jax.lax.fori_loop(0, steps, step, (rows, tokens, pos, counters, ban, outs))
         j = jnp.arange(k)
         write = jnp.where(active[:, None] & (j < steps), pos[:, None] + j, self.length)
         return outs, self._scatter(cache, idx, rows, write)
 
-    def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter):
+    def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter, ban):
         row = [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax) for x, ax in zip(cache, self._batch_axis)]
         logits, new = self._model(state).extend(tokens[None], jax.tree.unflatten(self._tdef, row), pos[None],
                                                 length[None])
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
-        tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
+        tok = self._sample(logits, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
         return (tok, *logprobs(logits, tok, self._k(logits))), cache
 
     def _prefill_rows_fn(self, state, cache, idx, tokens, pos, length, active, temperature, top_k, top_p, seeds,
-                         counters):
+                         counters, ban):
         """``_prefill_fn`` for the R slots ``idx`` (distinct) at once: tokens [R, C]; rows not
         ``active`` (padding) keep every cache leaf as it was."""
         rows = [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
@@ -300,7 +305,7 @@ class Programs:
         for x, v, old, ax in zip(cache, jax.tree.leaves(new), rows, self._batch_axis):
             keep = active.reshape([-1 if a == ax else 1 for a in range(v.ndim)])
             out.append(x.at[(slice(None),) * ax + (idx,)].set(jnp.where(keep, v.astype(x.dtype), old)))
-        tok = sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p)
+        tok = self._sample(logits, seeds, counters, temperature, top_k, top_p, ban)
         return (tok, *logprobs(logits, tok, self._k(logits))), out
 
     def _tower_fn(self, state, inputs):
@@ -310,7 +315,7 @@ class Programs:
         return jnp.pad(feats.astype(m.compute_dtype), ((0, self.media_rows - feats.shape[0]), (0, 0)))
 
     def _prefill_media_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
-                          first, feats):
+                          ban, first, feats):
         """``_prefill_fn`` with image rows at the chunk's pads: the k-th pad of the chunk takes row
         first + k of ``feats`` (the chunk's embeddings go to ``model.extend`` spliced)."""
         m = self._model(state)
@@ -323,7 +328,7 @@ class Programs:
         logits, new = m.extend(toks, jax.tree.unflatten(self._tdef, row), pos[None], length[None], embeddings=x)
         cache = [jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, ax)
                  for c, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
-        tok = sample_rows(logits, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
+        tok = self._sample(logits, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
         return (tok, *logprobs(logits, tok, self._k(logits))), cache
 
     def _reset_fn(self, state, cache, slot):
@@ -331,7 +336,7 @@ class Programs:
         return [jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros_like(jax.lax.dynamic_slice_in_dim(x, 0, 1, ax)),
                                                     slot, ax) for x, ax in zip(cache, self._batch_axis)]
 
-    def _prefill_lp_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
+    def _prefill_lp_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter, ban,
                        targets):
         """``_prefill_fn`` that also scores the prompt: position i's log-probability of ``targets[i]``
         (the prompt token after it) and its top alternatives, for every position of the chunk."""
@@ -342,7 +347,7 @@ class Programs:
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
         last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, 0)
-        tok = sample_rows(last, _keys(seed[None], counter[None]), temperature[None], top_k[None], top_p[None])
+        tok = self._sample(last, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
         return (tok, *logprobs(last, tok, self._k(last)), *logprobs(logits, targets, self._k(logits))), cache
 
     def _copy_fn(self, state, cache, src, dst):
@@ -385,16 +390,18 @@ class Programs:
     # -- compilation ----------------------------------------------------------------------------
     def _decode_args(self, n):
         i32, f32 = jnp.int32, jnp.float32
-        return ([jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)]
+        return ([jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32,
+                                                           i32)]
                 + [jax.ShapeDtypeStruct((), i32)])
 
     def _prefill_rows_args(self, r):
         i32, f32, c = jnp.int32, jnp.float32, self.buckets[-1]
         return ([jax.ShapeDtypeStruct((r,), i32), jax.ShapeDtypeStruct((r, c), i32)]
-                + [jax.ShapeDtypeStruct((r,), dt) for dt in (i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32)])
+                + [jax.ShapeDtypeStruct((r,), dt) for dt in (i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32, i32)])
 
     def _prefill_args(self, c):
-        scalars = (jnp.int32, jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32)
+        scalars = (jnp.int32, jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32,
+                   jnp.int32)
         return ([jax.ShapeDtypeStruct((), scalars[0]), jax.ShapeDtypeStruct((c,), jnp.int32)]
                 + [jax.ShapeDtypeStruct((), dt) for dt in scalars[1:]])
 
@@ -426,25 +433,25 @@ class Programs:
     def _get(x):
         return np.asarray(x.addressable_data(0))   # replicated: this process's copy is the whole array
 
-    def decode(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+    def decode(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         """One decode step for the active slots; every argument is [B]. Runs the smallest decode
         bucket that holds the active slots (padded with idle ones). -> (tokens, logprob, top ids,
         top logprobs) as numpy arrays over the B slots (rows of idle slots are meaningless)."""
         return tuple(o[0] for o in self._run_decode(1, tokens, pos, active, temperature, top_k, top_p, seeds,
-                                                    counters))
+                                                    counters, ban))
 
-    def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+    def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         """``decode`` for ``steps`` steps in one program (the caller makes sure each active row has
         that many positions left) -> the same outputs with a leading [K] axis."""
-        return self._run_decode(self.steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters)
+        return self._run_decode(self.steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban)
 
-    def _run_decode(self, steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters):
+    def _run_decode(self, steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         active = np.asarray(active, bool)
         act = np.flatnonzero(active)
         n = next(b for b in self.decode_sizes if b >= len(act))
         idx = np.sort(np.concatenate([act, np.flatnonzero(~active)[:n - len(act)]])).astype(np.int32)
         args = [self._put(np.asarray(a)[idx]) for a in (tokens, pos, active, temperature, top_k, top_p, seeds,
-                                                        counters)]
+                                                        counters, ban)]
         out, self.cache = self._decode[n](self.state, self.cache, self._put(idx), *args,
                                           self._put(np.int32(steps)))
         full = []
@@ -455,14 +462,14 @@ class Programs:
             full.append(f)
         return tuple(full)
 
-    def prefill(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter):
+    def prefill(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban):
         """Prefill ``tokens`` (at most the largest bucket) into ``slot`` after its first ``pos``
         tokens -> the token sampled after the last one (and its log-probabilities), as for decode."""
-        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter)
+        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban)
         out, self.cache = self._prefill[c](self.state, self.cache, *args)
         return tuple(self._get(o)[0] for o in out)
 
-    def prefill_rows(self, slots, tokens, pos, temperature, top_k, top_p, seeds, counters):
+    def prefill_rows(self, slots, tokens, pos, temperature, top_k, top_p, seeds, counters, ban):
         """``prefill`` of one chunk for each of the given slots (at most the largest row bucket;
         ``tokens`` a list of chunks, the others [R]) in the smallest row bucket that holds them ->
         (tokens [R], logprobs [R], top ids [R, K], top logprobs [R, K]) in the slots' order."""
@@ -479,11 +486,12 @@ class Programs:
         def col(v, dt, fill=0):
             return np.concatenate([np.asarray(v, dt), np.full(r - n, fill, dt)])
         args = [idx, padded, col(pos, np.int32), length, np.arange(r) < n, col(temperature, np.float32),
-                col(top_k, np.int32), col(top_p, np.float32, 1), col(seeds, np.uint32), col(counters, np.int32)]
+                col(top_k, np.int32), col(top_p, np.float32, 1), col(seeds, np.uint32), col(counters, np.int32),
+                col(ban, np.int32, -1)]
         out, self.cache = self._prefill_rows[r](self.state, self.cache, *map(self._put, args))
         return tuple(self._get(o)[:n] for o in out)
 
-    def _chunk_args(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, *extra):
+    def _chunk_args(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, *extra):
         """-> (the chunk bucket holding ``tokens``, the prefill programs' device arguments: the
         tokens padded to it; ``extra`` int32 scalars after the common ones)."""
         n = len(tokens)
@@ -492,7 +500,7 @@ class Programs:
         padded[:n] = tokens
         return c, [self._put(np.asarray(v, dt)) for v, dt in (
             (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
-            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32),
+            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (ban, np.int32),
             *((e, np.int32) for e in extra))]
 
     def vision(self, key: int, items):
@@ -515,17 +523,17 @@ class Programs:
         n = sum(len(it.patches) for it in items)
         return n <= self.patch_buckets[-1] and patch_bucket(n, self.pcfg) in self._tower
 
-    def prefill_media(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, key, first):
+    def prefill_media(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, key, first):
         """``prefill`` of a chunk holding image pads: pad k of the chunk takes row first + k of the
         rows ``vision`` kept as ``key``."""
-        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter, first)
+        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, first)
         out, self.cache = self._prefill_media[c](self.state, self.cache, *args, self.media[key])
         return tuple(self._get(o)[0] for o in out)
 
     def drop_media(self, key: int):
         self.media.pop(key, None)
 
-    def prefill_lp(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, targets):
+    def prefill_lp(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, targets):
         """``prefill`` in the largest chunk bucket that also returns, per token of the chunk, the
         log-probability of the next prompt token (``targets``) and the top ``TOP_LOGPROBS``
         alternatives: (token, logprob, top ids, top logprobs, [n] logprobs, [n, K] ids, [n, K])."""
@@ -534,7 +542,8 @@ class Programs:
         padded[:n], tgt[:len(targets)] = tokens, targets
         args = [self._put(np.asarray(v, dt)) for v, dt in (
             (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
-            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (tgt, np.int32))]
+            (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (ban, np.int32),
+            (tgt, np.int32))]
         out, self.cache = self._prefill_lp(self.state, self.cache, *args)
         out = [self._get(o) for o in out]
         return (*(o[0] for o in out[:4]), *(o[:n] for o in out[4:]))
