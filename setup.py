@@ -36,6 +36,7 @@ setup(
         "uvicorn>=0.54.0",     # k3jax.serve: the ASGI server
         "prometheus-client>=0.26.0",  # k3jax.serve: /metrics
         "Pillow>=11.0",        # k3jax.data.vision_processor: image decode and bicubic resize
+        "regex>=2024.11.6",    # k3jax.serve.k3_toolcalls: partial matches of a K3 tag while it streams
     ],
     extras_require={
         # libtpu gives the TPU compiler for ahead-of-time compilation tests on a CPU host.

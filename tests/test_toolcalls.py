@@ -29,31 +29,6 @@ K25_TEMPLATE = tiny_tokenizer.KIMI_CHAT_TEMPLATE.replace(
     "{%- endif -%}")
 assert K25_TEMPLATE.count("<think>") == 3
 
-# A stand-in for K3's template (not available offline): K3's tag markup (formats.md §3.4:
-# <|open|>TAG<|sep|>BODY<|close|>, assistant turns end with <|end_of_msg|>) with thinking as
-# <|open|>think<|sep|> and K2's tool-call grammar written in the same markup. The golden below
-# pins what toolcalls.py expects; a real K3 template must render the same string.
-K3_TEMPLATE = (
-    "{%- if tools -%}<|open|>tool_declare<|sep|>{{ tools | tojson }}<|close|>{%- endif -%}"
-    "{%- for m in messages -%}"
-    "<|open|>{{ m['role'] }}<|sep|>"
-    "{%- if m['role'] == 'tool' -%}## Return of {{ m['tool_call_id'] }}{{ '\\n' }}{%- endif -%}"
-    "{%- if m['role'] == 'assistant' and m.get('reasoning_content') -%}"
-    "<|open|>think<|sep|>{{ m['reasoning_content'] }}<|close|>{%- endif -%}"
-    "{{ m['content'] or '' }}"
-    "{%- if m['role'] == 'assistant' and m.get('tool_calls') -%}<|open|>tool_calls<|sep|>"
-    "{%- for c in m['tool_calls'] -%}"
-    "<|open|>{{ c.get('id') or ('functions.' ~ c['function']['name'] ~ ':' ~ loop.index0) }}<|sep|>"
-    "{%- if c['function']['arguments'] is string -%}{{ c['function']['arguments'] }}"
-    "{%- else -%}{{ c['function']['arguments'] | tojson }}{%- endif -%}<|close|>"
-    "{%- endfor -%}<|close|>{%- endif -%}"
-    "{%- if m['role'] == 'assistant' -%}<|end_of_msg|>{%- endif -%}<|close|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|open|>assistant<|sep|>"
-    "{%- if not (thinking is defined and thinking is false) -%}<|open|>think<|sep|>{%- endif -%}"
-    "{%- endif -%}")
-K3_NAMES = {2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
-
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
          for n in ("get_weather", "search", "calc")]
 NAMES = [t["function"]["name"] for t in TOOLS]
@@ -72,28 +47,11 @@ def _tok(tiny_dir, template):
 
 
 @pytest.fixture(scope="module")
-def k3_tok(tiny_dir, tmp_path_factory):
-    """The tiny tokenizer with K3's names in the block (K2's <|im_*|> names become reserved)."""
-    d = tmp_path_factory.mktemp("k3")
-    cfg = json.loads(open(f"{tiny_dir}/tokenizer_config.json").read())
-    n_base = min(int(i) for i in cfg["added_tokens_decoder"])
-    for off, name in K3_NAMES.items():
-        cfg["added_tokens_decoder"][str(n_base + off)]["content"] = name
-    for i, entry in cfg["added_tokens_decoder"].items():
-        if entry["content"].startswith("<|im_"):
-            entry["content"] = f"<|reserved_token_{i}|>"
-    cfg["chat_template"] = K3_TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (d / "tiktoken.model").write_bytes(open(f"{tiny_dir}/tiktoken.model", "rb").read())
-    return KimiTokenizer.from_dir(d)
-
-
-@pytest.fixture(scope="module")
-def toks(tiny_dir, k3_tok):
+def toks(tiny_dir):
     """family -> tokenizer: the built-in K2 markup (no template), the tiny K2 jinja template, K2.5's
-    thinking template, K3's stand-in."""
+    thinking template. (K3's XTML format: tests/test_k3_chat.py, tests/test_k3_toolcalls.py.)"""
     return {"k2-builtin": _tok(tiny_dir, None), "k2": _tok(tiny_dir, tiny_tokenizer.KIMI_CHAT_TEMPLATE),
-            "k2.5": _tok(tiny_dir, K25_TEMPLATE), "k3": k3_tok}
+            "k2.5": _tok(tiny_dir, K25_TEMPLATE)}
 
 
 def call(name, args, idx):
@@ -149,13 +107,12 @@ def _parse(tok, prompt, ids, *, tools=NAMES, choice="auto", name=None, index=0, 
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("family", ["k2-builtin", "k2", "k2.5", "k3"])
+@pytest.mark.parametrize("family", ["k2-builtin", "k2", "k2.5"])
 def test_parse_of_render_is_identity(toks, family, case):
     tok, x = toks[family], CASES[case]
-    if family.startswith("k2") and family != "k2.5":
+    if family != "k2.5":
         x = dict(x, reasoning_content=None)
-    kwargs = {"thinking": False} if family == "k3" and not x["reasoning_content"] else None
-    prompt, ids = _generated(tok, x, kwargs)
+    prompt, ids = _generated(tok, x)
     p, events, _ = _parse(tok, prompt, ids)
     want = _expected(x, family)
     assert toolcalls.message(events) == want and not p.failures
@@ -182,31 +139,6 @@ def _accumulate(deltas):
     elif msg["content"] is None:
         msg["content"] = ""
     return msg
-
-
-def test_k3_golden_rendering(toks):
-    """What toolcalls.py reads as K3's grammar (inferred: K2's grammar in K3's tag markup)."""
-    tok = toks["k3"]
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "Checking.", "reasoning_content": "need weather",
-             "tool_calls": [call("get_weather", {"city": "Paris"}, 0), call("calc", '{"x": 1}', 1)]},
-            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
-    text = tok.decode(chat_template.chat_ids(tok, msgs))
-    assert text == (
-        "<|open|>user<|sep|>hi<|close|>"
-        "<|open|>assistant<|sep|><|open|>think<|sep|>need weather<|close|>Checking."
-        "<|open|>tool_calls<|sep|>"
-        '<|open|>functions.get_weather:0<|sep|>{"city": "Paris"}<|close|>'
-        '<|open|>functions.calc:1<|sep|>{"x": 1}<|close|>'
-        "<|close|><|end_of_msg|><|close|>"
-        "<|open|>tool<|sep|>## Return of functions.get_weather:0\nsunny<|close|>"
-        "<|open|>assistant<|sep|><|open|>think<|sep|>")
-    g = toolcalls.Grammar.of(tok)
-    assert g.family == "k3" and tok.decode(g.section_open() + g.call_header("functions.calc:2")) == \
-        "<|open|>tool_calls<|sep|><|open|>functions.calc:2<|sep|>"
-    # chat_template_kwargs reach the template: thinking off ends the prompt at the assistant header.
-    off = tok.decode(chat_template.chat_ids(tok, msgs[:1], template_kwargs={"thinking": False, "unread": 1}))
-    assert off.endswith("<|open|>assistant<|sep|>")
 
 
 def test_reasoning_text_cannot_inject_markup(toks):
@@ -276,7 +208,7 @@ def test_parallel_false_stops_at_the_first_call(toks):
     assert events[-1] == ("section_end",)
 
 
-@pytest.mark.parametrize("family", ["k2", "k2.5", "k3"])
+@pytest.mark.parametrize("family", ["k2", "k2.5"])
 def test_forced_tokens_prime_the_parser(toks, family):
     """required opens the section, named also writes the call's header; the parser starts where the
     model continues (after an open thinking block, which the forced tokens close)."""
@@ -290,7 +222,7 @@ def test_forced_tokens_prime_the_parser(toks, family):
     forced, _ = toolcalls.forced_tokens(g, prompt, "named", "search", index=2)
     head = g.section_open() + g.call_header("functions.search:2")
     assert forced == (g.think_close() if thinking else []) + head
-    close = [g.ids["<|close|>"]] * 2 if family == "k3" else [g.ids["<|tool_call_end|>"], g.ids["<|tool_calls_section_end|>"]]
+    close = [g.ids["<|tool_call_end|>"], g.ids["<|tool_calls_section_end|>"]]
     p, events, _ = _parse(tok, prompt, tok.encode('{"q": "jax"}') + close, choice="named", name="search",
                           index=2, parallel=False)
     assert toolcalls.message(events) == {"role": "assistant", "content": None, "reasoning_content": None,
@@ -395,6 +327,11 @@ def test_http_tool_choice_forcing_and_parallel_false(scripted):
     assert s.engine.requests[-1].prompt == chat_template.chat_ids(
         tok, [{"role": "user", "content": "weather?"}], template_kwargs={"thinking": False})
     assert finish == "stop" and msg["content"] == tok.decode(ids) and not msg["tool_calls"]
+    # ... and the engine is told to keep the section's opening token out of the reply (here scripted).
+    r = s.engine.requests[-1]
+    assert (r.ban_token, r.ban) == (tok.token_id("<|tool_calls_section_begin|>"), 0)
+    (msg, _), _ = _both(s, tok.encode("hi"))
+    assert s.engine.requests[-1].ban_token == -1                  # auto: nothing banned
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -431,3 +368,117 @@ def test_http_harmless_fields_are_ignored(scripted):
     with pytest.raises(openai.BadRequestError) as e:
         s.client.completions.create(model="m", prompt="x", best_of=3)
     assert e.value.body["param"] == "best_of"
+
+
+# -- HTTP with a K3 tokenizer: K3's XTML format (data/k3_chat.py, serve/k3_toolcalls.py) -----------------
+USER = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture(scope="module")
+def k3_scripted(tmp_path_factory):
+    from test_serve import start_http
+
+    tok = KimiTokenizer.from_dir(tiny_tokenizer.build(tmp_path_factory.mktemp("k3tok"), vocab_size=512,
+                                                      num_reserved=tiny_tokenizer.MIN_RESERVED, family="k3"))
+    engine = ScriptedEngine(tok)
+    metrics = ServeMetrics(engine.stats)
+    server, thread, url = start_http(create_app(engine, tok, model_name="m", context=4096, metrics=metrics))
+    yield types.SimpleNamespace(engine=engine, tok=tok, url=url, metrics=metrics,
+                                client=openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60))
+    server.should_exit = True
+    thread.join(30)
+
+
+def _xtml(tok, text):
+    """Ids of XTML text written with the markers by name (the markers as control tokens)."""
+    return tok.encode_with_special_tokens(text)
+
+
+def test_k3_http_forced_call_has_typed_arguments(k3_scripted):
+    """A named tool_choice forces K3's opening tokens (the think channel closed, an empty response, the
+    tools channel and the call's open tag); the model's typed arguments come back as a JSON object."""
+    s, tok = k3_scripted, k3_scripted.tok
+    args = ('<|open|>argument key="city" type="string"<|sep|>Paris <b>\n"x"<|close|>argument<|sep|>'
+            '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+            '<|open|>argument key="metric" type="boolean"<|sep|>true<|close|>argument<|sep|>'
+            '<|open|>argument key="at" type="null"<|sep|>null<|close|>argument<|sep|>'
+            '<|open|>argument key="opts" type="object"<|sep|>{"a": [1, 2.5]}<|close|>argument<|sep|>'
+            '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>')
+    (msg, finish), (streamed, sfinish) = _both(s, _xtml(tok, args) + [tok.im_end_id], finish="stop",
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    prompt = chat_template.chat_ids(tok, USER, tools=TOOLS)
+    forced = ('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+              '<|open|>call tool="get_weather" index="1"<|sep|>')
+    sent = s.engine.requests[-1].prompt
+    assert sent[:len(prompt)] == prompt and tok.decode(sent[len(prompt):]) == forced
+    assert tok.decode(prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert finish == sfinish == "tool_calls" and msg["content"] is None
+    for m in (msg, streamed):
+        (c,) = m["tool_calls"]
+        assert c["function"]["name"] == "get_weather" and c["type"] == "function" and c["id"]
+        assert json.loads(c["function"]["arguments"]) == {"city": 'Paris <b>\n"x"', "days": 3, "metric": True,
+                                                          "at": None, "opts": {"a": [1, 2.5]}}
+    assert msg["tool_calls"][0]["id"] != streamed["tool_calls"][0]["id"]   # opaque, unique per response
+
+
+def test_k3_http_reasoning_and_calls_with_thinking_on(k3_scripted):
+    """auto: the think channel becomes reasoning_content, the response channel content, each call of the
+    tools channel a tool call; finish_reason tool_calls."""
+    s, tok = k3_scripted, k3_scripted.tok
+    reply = ('need the weather<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>'
+             '<|open|>tools<|sep|><|open|>call tool="search" index="1"<|sep|>'
+             '<|open|>argument key="q" type="string"<|sep|>Oslo & Paris<|close|>argument<|sep|><|close|>call<|sep|>'
+             '<|open|>call tool="calc" index="2"<|sep|><|open|>json type="object"<|sep|>{not json<|close|>json<|sep|>'
+             '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>')
+    (msg, finish), (streamed, sfinish) = _both(s, _xtml(tok, reply) + [tok.im_end_id])
+    assert finish == sfinish == "tool_calls"
+    for m in (msg, streamed):
+        assert m["reasoning_content"] == "need the weather" and m["content"] == "Checking."
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] == [
+            ("search", '{"q": "Oslo & Paris"}'), ("calc", "{not json")]
+    assert s.engine.requests[-1].ban_token == -1
+
+
+def test_k3_http_tool_choice_none_renders_its_turn_and_bans_the_tools_channel(k3_scripted):
+    """none: the tools stay declared, a tool-choice turn says so, and the engine request bans <|open|>
+    after the one the reply needs (its response channel after thinking; none with thinking off), so a
+    tools channel cannot start; the content has no markup."""
+    s, tok = k3_scripted, k3_scripted.tok
+    reply = _xtml(tok, "hm<|close|>think<|sep|><|open|>response<|sep|>Sunny.<|close|>response<|sep|>"
+                       "<|close|>message<|sep|>") + [tok.im_end_id]
+    (msg, finish), _ = _both(s, reply, tool_choice="none")
+    r = s.engine.requests[-1]
+    text = tok.decode(r.prompt)
+    assert (r.ban_token, r.ban) == (tok.token_id("<|open|>"), 1)
+    assert text.startswith('<|open|>message role="system" type="tool-declare"<|sep|># Tools')
+    assert text.endswith('<|open|>message role="system" type="tool-choice"<|sep|>The system is invoked with '
+                         '`tool_choice=none`.\nYou MUST NOT call any tools in the next message.'
+                         '<|close|>message<|sep|><|end_of_msg|>'
+                         '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert finish == "stop" and msg["content"] == "Sunny." and "<|" not in msg["content"]
+    (msg, _), _ = _both(s, _xtml(tok, "Sunny.<|close|>response<|sep|><|close|>message<|sep|>"), tool_choice="none",
+                        extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = s.engine.requests[-1]
+    assert r.ban == 0 and tok.decode(r.prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+    assert msg["content"] == "Sunny." and msg["reasoning_content"] is None
+
+
+def test_k3_http_response_format_and_thinking_effort_render_their_turns(k3_scripted):
+    s, tok = k3_scripted, k3_scripted.tok
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    _both(s, _xtml(tok, "{}"), response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+          extra_body={"chat_template_kwargs": {"thinking_effort": "low"}})
+    text = tok.decode(s.engine.requests[-1].prompt)
+    assert '<|open|>message role="system" type="thinking-effort"<|sep|>' in text and "`thinking_effort=low`" in text
+    assert text.endswith('<|open|>message role="system" type="response-format"<|sep|>The system is invoked with '
+                         '`response_format=json_schema`.\nYour response must be raw JSON data without markdown code '
+                         'blocks (```json) or any additional formatting.\nThe JSON data must match the following '
+                         'schema:\n```json\n{"properties":{"ok":{"type":"boolean"}},"type":"object"}\n```'
+                         '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|>'
+                         '<|open|>think<|sep|>')
+    for extra, param in [({"response_format": {"type": "grammar"}}, "response_format"),
+                         ({"chat_template_kwargs": {"thinking_effort": "medium"}}, "messages"),
+                         ({"chat_template_kwargs": {"enable_thinking": False}}, "messages")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client.chat.completions.create(model="m", messages=USER, tools=TOOLS, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body

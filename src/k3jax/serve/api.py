@@ -30,7 +30,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3jax.data import k3_chat
 from k3jax.data.chat_template import chat_ids
+from k3jax.serve import k3_toolcalls
 from k3jax.serve import media as mediaio
 from k3jax.serve import protocol as proto
 from k3jax.serve import toolcalls
@@ -49,7 +51,10 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
     ``images``: a vision model's image settings (``pcfg``, ``pad_id``, ``domains``, ``max_bytes``,
     ``timeout``); None = text only (an image part is a 400)."""
     app = FastAPI(title="k3jax", docs_url=None, redoc_url=None, openapi_url=None)
-    grammar = toolcalls.Grammar.of(tokenizer)
+    k3 = k3_chat.is_k3(tokenizer)                 # K3's XTML format (data/k3_chat.py, serve/k3_toolcalls.py)
+    grammar = None if k3 else toolcalls.Grammar.of(tokenizer)    # K2 / K2.5 / Kimi Linear markup, if any
+    ban_token = toolcalls.ban_token(tokenizer)
+    think_tag = k3_chat.encode(tokenizer, k3_chat.open_tag("think"))[0] if k3 else []
     max_n = engine.stats()["slots"]       # n may ask for up to every slot (serve_max_batch)
     stop_ids = frozenset(getattr(engine, "stop_ids", ()))
 
@@ -124,20 +129,34 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
     async def chat(body: proto.ChatRequest, request: HttpRequest):
         check_key(request)
         check_model(body.model)
-        proto.check_unsupported(body)
+        # K3's format has a response-format turn (an instruction, not constrained decoding); K2's has none.
+        proto.check_unsupported(body, allow=("response_format",) if k3 else ())
         if not body.messages:
             raise proto.ApiError(400, "messages: must contain at least one message", param="messages")
         choice, name, names = proto.tool_choice(body)
-        if choice in ("required", "named") and grammar is None:
+        if choice in ("required", "named") and grammar is None and not k3:
             raise proto.ApiError(400, f"tool_choice={body.tool_choice!r}: this model's tokenizer has no tool-call "
                                  "markup", param="tool_choice")
         items = await _images(body.messages)
-        ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body),
-                           media=[it.prompt for it in items] if items else None)
-        forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
-            grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
-                                                  if isinstance(m, dict) and m.get("role") == "assistant"))
+        if k3:   # K3 keeps its tools declared and says "none" / "required" in a tool-choice turn
+            k3_options = {"tool_choice": body.tool_choice if body.tool_choice in ("none", "required") else None,
+                          "response_format": proto.response_format(body)}
+            ids = _chat_prompt(body.messages, body.tools, proto.template_kwargs(body),
+                               media=[it.prompt for it in items] if items else None, **k3_options)
+            forced, prime = k3_toolcalls.forced_tokens(tokenizer, ids, choice, name)
+        else:
+            ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body),
+                               media=[it.prompt for it in items] if items else None)
+            forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
+                grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
+                                                      if isinstance(m, dict) and m.get("role") == "assistant"))
         ids = ids + forced
+        # tool_choice="none" (or no tools): the tool-call section cannot be opened. K2: its opening token
+        # is banned; K3: <|open|> is banned once the reply has opened the channels it must (its response
+        # channel after the think channel the prompt opened), so a tools channel never starts.
+        ban = (-1, -1)                 # (token, times allowed): Request.ban_token / ban
+        if choice == "none" and ban_token >= 0:
+            ban = (ban_token, int(bool(think_tag) and ids[-len(think_tag):] == think_tag))
         parse = dict(tools=names if choice != "none" else None, prime=prime,
                      parallel=body.parallel_tool_calls is not False and choice != "named")
         k = None
@@ -151,7 +170,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         n = proto.max_tokens(want, len(ids), context, default=None, param=param)
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
         media = (tuple(items), mediaio.media_keys(ids, items, images["pad_id"])) if items else None
-        return await _serve(request, body, [ids], n, out, parse, media=media)
+        return await _serve(request, body, [ids], n, out, parse, media=media, ban=ban)
 
     async def _images(messages) -> list:
         """The request's images, fetched and processed off the event loop ([] without image parts)."""
@@ -172,10 +191,10 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                                  "send fewer or smaller images", param="messages", code="images_too_large")
         return items
 
-    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True, media=None) -> list[int]:
+    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True, media=None, **k3_options) -> list[int]:
         try:
             return chat_ids(tokenizer, messages, tools=tools, template_kwargs=kwargs,
-                            add_generation_prompt=add_generation_prompt, media=media)
+                            add_generation_prompt=add_generation_prompt, media=media, **k3_options)
         except (ValueError, KeyError, TypeError) as e:
             raise proto.ApiError(400, f"messages: {e}", param="messages") from None
 
@@ -215,11 +234,12 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
 
     async def _serve(http: HttpRequest, body, prompts: list[list[int]], n: int, out: proto.Body,
                      parse: dict | None = None, echo: tuple[list[str], int | None] | None = None,
-                     media: tuple | None = None):
+                     media: tuple | None = None, ban: tuple[int, int] = (-1, -1)):
         """Submit the request (per prompt its n choices: the first with the others as its copies; choice
         i of prompt p has index p * n + i, as in OpenAI's API) and answer. ``echo``: (each prompt's text,
         the logprobs to score the prompts' tokens with, or None). ``media``: (the processed images, their
-        prefix cache keys) of a chat prompt with images."""
+        prefix cache keys) of a chat prompt with images. ``ban``: a token and how often each choice may
+        sample it (Request.ban_token / ban: the tool-call opener for tool_choice="none")."""
         s = proto.sampling(body, max_n)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()     # (choice index, Event)
@@ -228,7 +248,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                         top_k=s["top_k"], seed=proto.copy_seed(s["seed"], j % s["n"]), stop=s["stop"],
                         logprobs=out.logprobs, id=out.id if total == 1 else f"{out.id}-{j}", ignore_eos=s["ignore_eos"],
                         prompt_logprobs=echo[1] if echo is not None else None,
-                        images=media[0] if media else (), media=media[1] if media else (),
+                        images=media[0] if media else (), media=media[1] if media else (), ban_token=ban[0], ban=ban[1],
                         sink=lambda ev, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, ev)))
                 for j in range(total)]
         groups = [reqs[p:p + s["n"]] for p in range(0, total, s["n"])]
@@ -254,8 +274,12 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         turns = None
         if parse is not None:
-            turns = [_ChatTurn(toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse), stop_ids,
-                               s["ignore_eos"], lambda r=r: engine.cancel(r), metrics) for r in reqs]
+            def parser():
+                if k3:
+                    return k3_toolcalls.K3Parser(tokenizer, stop=s["stop"], **parse)
+                return toolcalls.Parser(grammar, tokenizer, stop=s["stop"], **parse)
+            turns = [_ChatTurn(parser(), stop_ids, s["ignore_eos"], lambda r=r: engine.cancel(r), metrics)
+                     for r in reqs]
         if body.stream:
             return StreamingResponse(_stream(reqs, events, out, include_usage, turns, s["n"]),
                                      media_type="text/event-stream")
@@ -348,7 +372,7 @@ class _ChatTurn:
     finish reason ("tool_calls" when calls were returned). With parallel_tool_calls=false the
     generation is cancelled at the first complete call."""
 
-    def __init__(self, parser: toolcalls.Parser, stop_ids, ignore_eos: bool, cancel, metrics):
+    def __init__(self, parser: toolcalls.Parser | k3_toolcalls.K3Parser, stop_ids, ignore_eos: bool, cancel, metrics):
         self.parser, self.stop_ids, self.ignore_eos, self.cancel, self.metrics = (
             parser, stop_ids, ignore_eos, cancel, metrics)
         self.last = None            # the last engine event that counted (usage)

@@ -109,11 +109,12 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "conversations", "tools", "documents", "
                             "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask")
 
 
-def check_unsupported(req: _Common) -> None:
-    """A 400 naming the first field that would change the output and is not implemented."""
+def check_unsupported(req: _Common, allow: tuple[str, ...] = ()) -> None:
+    """A 400 naming the first field that would change the output and is not implemented (``allow``:
+    fields this model implements, e.g. K3's response_format)."""
     for field, value in (req.model_extra or {}).items():
         ok = UNSUPPORTED.get(field)
-        if ok is not None and not ok(value):
+        if ok is not None and field not in allow and not ok(value):
             raise ApiError(400, f"{field}: not supported by this server (it would change the output); "
                            "remove it", param=field, code="unsupported_parameter")
 
@@ -147,6 +148,25 @@ def tool_choice(req: ChatRequest) -> tuple[str, str | None, list[str]]:
     if c == "required" and not names:
         raise ApiError(400, 'tool_choice="required" needs tools', param="tool_choice")
     return c, None, names
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def response_format(req) -> dict | None:
+    """K3's ``response_format`` (json_object / json_schema render an instruction turn; text or none,
+    None); another type, or json_schema without its schema, is a 400."""
+    rf = (req.model_extra or {}).get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format: type must be one of {list(RESPONSE_FORMATS)}, got {kind!r}",
+                       param="response_format")
+    if kind == "json_schema" and not isinstance(rf.get("json_schema"), dict):
+        raise ApiError(400, 'response_format: json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                       param="response_format")
+    return None if kind == "text" else rf
 
 
 def template_kwargs(req) -> dict:

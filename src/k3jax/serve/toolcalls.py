@@ -1,25 +1,14 @@
 """Generated token ids -> OpenAI fields: content, ``reasoning_content`` and ``tool_calls``.
 
-A streaming parser over the ids a chat request generates (pure Python). The markers are special
-tokens, looked up by name in the tokenizer, so text a model writes that spells a marker's name is
-ordinary text. Two grammars, chosen by the tokenizer's special tokens (``Grammar.of``):
-
-K2 / K2.5 / Kimi Linear (formats.md §3.5)::
+A streaming parser over the ids a chat request generates (pure Python), for the K2 / K2.5 / Kimi
+Linear markup (formats.md §3.5; K3's XTML replies are parsed by ``k3_toolcalls.K3Parser``, which
+emits the same events). The markers are special tokens, looked up by name in the tokenizer, so text
+a model writes that spells a marker's name is ordinary text::
 
     <think> reasoning </think> content
     <|tool_calls_section_begin|>
       <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|> ...
     <|tool_calls_section_end|>
-
-K3's tag markup (``<|open|>TAG<|sep|>BODY<|close|>``; thinking is ``<|open|>think<|sep|>``). Its
-tool-call grammar is not published: k3jax writes K2's under K3's markup, the section a
-``tool_calls`` tag and each call a tag whose name is the call id (tests/test_toolcalls.py pins the
-rendering)::
-
-    <|open|>think<|sep|> reasoning <|close|> content
-    <|open|>tool_calls<|sep|>
-      <|open|>functions.NAME:IDX<|sep|>{json}<|close|> ...
-    <|close|>
 
 A tool-call section is released whole when it closes: every call's id must be
 ``functions.NAME:IDX`` with NAME among the request's tools and its arguments a JSON object;
@@ -37,13 +26,12 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
+from k3jax.data import k3_chat
 from k3jax.serve.text import TextState
 
 K2_TOOL_TOKENS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                   "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 K2_THINK_TOKENS = ("<think>", "</think>")
-K3_MARKUP = ("<|open|>", "<|sep|>", "<|close|>")
-K3_THINK_TAG, K3_SECTION_TAG = "think", "tool_calls"
 CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 # parser states
@@ -59,42 +47,41 @@ K2_SYMBOL = {"<think>": THINK_OPEN, "</think>": THINK_CLOSE, "<|tool_calls_secti
 
 @dataclasses.dataclass(frozen=True)
 class Grammar:
-    """The tool-call and thinking markup of one tokenizer, as token ids."""
-    family: str                                 # "k2" | "k3"
+    """The K2-family tool-call and thinking markup of one tokenizer, as token ids."""
     tok: object
     ids: dict                                   # marker name -> id
     think: bool                                 # the tokenizer has thinking markup
 
     @classmethod
     def of(cls, tok) -> Grammar | None:
-        """K3's markup where the tokenizer has ``<|open|>``/``<|sep|>``/``<|close|>``, else K2's tool
-        tokens; None if it has neither (no tool calls, no thinking)."""
+        """K2's tool tokens (with ``<think>`` / ``</think>`` where present); None without them (no tool
+        calls, no thinking). A K3 tokenizer has none of them: its replies go to ``K3Parser``."""
         sp = tok.special_ids
-        if all(t in sp for t in K3_MARKUP):
-            return cls("k3", tok, {t: sp[t] for t in K3_MARKUP}, True)
         if all(t in sp for t in K2_TOOL_TOKENS):
             names = K2_TOOL_TOKENS + tuple(t for t in K2_THINK_TOKENS if t in sp)
-            return cls("k2", tok, {t: sp[t] for t in names}, all(t in sp for t in K2_THINK_TOKENS))
+            return cls(tok, {t: sp[t] for t in names}, all(t in sp for t in K2_THINK_TOKENS))
         return None
 
-    def _tag(self, text: str) -> list[int]:
-        return [self.ids["<|open|>"], *self.tok.encode(text), self.ids["<|sep|>"]]
-
     def think_open(self) -> list[int]:
-        if not self.think:
-            return []
-        return self._tag(K3_THINK_TAG) if self.family == "k3" else [self.ids["<think>"]]
+        return [self.ids["<think>"]] if self.think else []
 
     def think_close(self) -> list[int]:
-        return [self.ids["<|close|>"]] if self.family == "k3" else [self.ids["</think>"]]
+        return [self.ids["</think>"]]
 
     def section_open(self) -> list[int]:
-        return self._tag(K3_SECTION_TAG) if self.family == "k3" else [self.ids["<|tool_calls_section_begin|>"]]
+        return [self.ids["<|tool_calls_section_begin|>"]]
 
     def call_header(self, call_id: str) -> list[int]:
-        if self.family == "k3":
-            return self._tag(call_id)
         return [self.ids["<|tool_call_begin|>"], *self.tok.encode(call_id), self.ids["<|tool_call_argument_begin|>"]]
+
+
+def ban_token(tok) -> int:
+    """The token that opens a tool-call section, which ``tool_choice="none"`` bans in sampling: K3's
+    ``<|open|>`` (banned once the reply's own channels are open), K2's
+    ``<|tool_calls_section_begin|>``; -1 for a tokenizer with neither."""
+    if k3_chat.is_k3(tok):
+        return tok.special_ids[k3_chat.OPEN]
+    return tok.special_ids["<|tool_calls_section_begin|>"] if Grammar.of(tok) is not None else -1
 
 
 def forced_tokens(grammar: Grammar, prompt: Sequence[int], choice: str, name: str | None = None,
@@ -144,7 +131,6 @@ class Parser:
         self.parallel = parallel
         self.content, self.reasoning = TextState(tok, stop), TextState(tok, stop)
         self.state = CONTENT
-        self.tag: list[int] | None = None        # K3: ids since an <|open|> whose tag is not read yet
         self.section: list[int] = []             # ids of the open section (returned as text if it fails)
         self.calls: list[_Call] = []
         self.bad: str | None = None
@@ -156,36 +142,8 @@ class Parser:
 
     # -- lexing ---------------------------------------------------------------------------------
     def _symbols(self, t: int) -> list[tuple[str | None, list[int]]]:
-        """-> [(symbol or None for text, the ids it covers)]; K3 tags need lookahead, so a token
-        may yield nothing yet, or the buffered ids of a tag that turned out to be text."""
-        g = self.g
-        if g is None:
-            return [(None, [t])]
-        if g.family == "k2":
-            return [(self._k2.get(t), [t])]
-        op, sep, close = g.ids["<|open|>"], g.ids["<|sep|>"], g.ids["<|close|>"]
-        if self.tag is not None:                        # reading a tag after <|open|>
-            if t == sep:
-                tag, ids = self.tok.decode(self.tag[1:]), self.tag + [t]
-                self.tag = None
-                if tag == K3_THINK_TAG and self.state == CONTENT:
-                    return [(THINK_OPEN, ids)]
-                if tag == K3_SECTION_TAG:
-                    return [(SECTION_OPEN, ids)]
-                return [(None, ids)]
-            if not self.tok.is_special(t):
-                self.tag.append(t)
-                return []
-            ids, self.tag = self.tag, None              # not a tag: its ids were text
-            return [(None, ids)] + self._symbols(t)
-        if self.state in (CONTENT, REASONING):
-            if t == op:
-                self.tag = [t]
-                return []
-            return [(THINK_CLOSE if t == close and self.state == REASONING else None, [t])]
-        table = {SECTION: {op: CALL_OPEN, close: SECTION_CLOSE}, CALL_ID_TEXT: {sep: ARG_OPEN},
-                 ARGS: {close: CALL_CLOSE}}[self.state]
-        return [(table.get(t), [t])]
+        """-> [(symbol or None for text, the ids it covers)]."""
+        return [(self._k2.get(t) if self.g is not None else None, [t])]
 
     # -- feeding --------------------------------------------------------------------------------
     def feed(self, t: int) -> list[tuple]:
@@ -288,12 +246,8 @@ class Parser:
         self._text(ids, out, CONTENT)
 
     def finish(self) -> list[tuple]:
-        """Generation ended: a tag being read is text, an open section is text ("unclosed"), and
-        held-back text is released."""
+        """Generation ended: an open section is text ("unclosed"), and held-back text is released."""
         out: list[tuple] = []
-        if self.tag is not None:
-            ids, self.tag = self.tag, None
-            self._text(ids, out)
         if self.state in (SECTION, CALL_ID_TEXT, ARGS) and not self.done:
             self._fail("unclosed", out)
         for channel, st in ((REASONING, self.reasoning), (CONTENT, self.content)):
