@@ -28,6 +28,11 @@ CPU, and the last step's `params` and `extra` (router biases) plus the tokenizer
 
     JAX_PLATFORMS=cpu nice .venv/bin/python scripts/make_agent_checkpoint.py [--steps N] [--out DIR]
 
+``--family k3`` makes the same data in Kimi K3's own chat format (XTML, data/k3_chat.py): a tokenizer
+with K3's control tokens, whose merges are also learned on the format's fixed strings (tags, the tool
+declaration's and thinking-effort turn's text), so the SFT pipeline and the server render and parse
+every conversation the K3 way (the demo run of the K3 format, by hand; the committed asset is K2's).
+
 Deterministic data (seeded numpy); training on CPU varies in the last bits between runs.
 """
 from __future__ import annotations
@@ -107,10 +112,16 @@ def conversation(rng, echo: float = 0.0) -> dict:
         {"role": "assistant", "content": reply.format(c=c)}]}
 
 
-def corpus(records: list[dict]) -> str:
+def corpus(records: list[dict], family: str = "k2") -> str:
     """The text the tokenizer's merges are learned on: the conversations' strings, plus each city
-    in both of its forms often enough that it becomes one token."""
+    in both of its forms often enough that it becomes one token (K3: and the format's own strings,
+    as the renderer writes them with the markers left out)."""
     parts = []
+    if family == "k3":
+        from k3jax.data import k3_chat
+        for r in records[:200]:
+            parts += [v for kind, v, _ in k3_chat.segments(r["messages"], tools=r["tools"],
+                                                           add_generation_prompt=False) if kind == "text"]
     for r in records:
         parts += ["tool_declare", json.dumps(r["tools"])]     # the declaration turn's strings
         for m in r["messages"]:
@@ -122,13 +133,16 @@ def corpus(records: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def check_tokens(tok_dir: Path, record: dict) -> None:
+def check_tokens(tok_dir: Path, record: dict, family: str = "k2") -> None:
     """Every city is one token in both forms; the training rendering of a record starts with the
     server's prompt (chat_ids with tools=); prints the lengths."""
     from k3jax.data import sft
     from k3jax.data.chat_template import chat_ids
     from k3jax.data.tokenizer import KimiTokenizer
     tok = KimiTokenizer.from_dir(tok_dir)
+    if family == "k3":
+        from k3jax.data import k3_chat
+        assert k3_chat.is_k3(tok), "the K3 tokenizer lacks K3's markers"
     split = {c: (len(tok.encode(" " + c)), len(tok.encode(c))) for c in CITIES}
     assert all(v == (1, 1) for v in split.values()), f"cities split into several tokens: {split}"
     served = chat_ids(tok, record["messages"][:2], tools=TOOLS)
@@ -148,6 +162,11 @@ def main() -> None:
     ap.add_argument("--work", default="runs/agent-tiny")
     ap.add_argument("--out", default="tests/assets/agent_tiny")
     ap.add_argument("--data-only", action="store_true", help="write the data and tokenizer, do not train")
+    ap.add_argument("--family", choices=("k2", "k3"), default="k2",
+                    help="chat format of the tokenizer and so of the data: K2's markup (the asset) or K3's XTML")
+    ap.add_argument("--max-target-length", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="tokenizer and model vocabulary (K3's format "
+                    "compresses well with 1024: its fixed strings become a few tokens)")
     ap.add_argument("overrides", nargs="*", help="extra key=value for k3jax.train")
     a = ap.parse_args()
     os.chdir(REPO)
@@ -162,16 +181,16 @@ def main() -> None:
     records = [conversation(rng, a.echo) for _ in range(a.examples)]
     asked = {r["messages"][1]["content"] for r in records}
     assert not asked & {q for q, _, _ in HELD_OUT}, "a held-out question is in the fine-tuning set"
-    tiny_tokenizer.build(work / "tokenizer", vocab_size=VOCAB, num_reserved=tiny_tokenizer.MIN_RESERVED,
-                         corpus=corpus(records[:500]))
-    check_tokens(work / "tokenizer", next(r for r in records if len(r["messages"]) > 3))
+    tiny_tokenizer.build(work / "tokenizer", vocab_size=a.vocab, num_reserved=tiny_tokenizer.MIN_RESERVED,
+                         corpus=corpus(records[:500], a.family), family=a.family)
+    check_tokens(work / "tokenizer", next(r for r in records if len(r["messages"]) > 3), a.family)
     with open(work / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     if a.data_only:
         return
-    cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", "model_name=tiny", f"vocab_size={VOCAB}",
+    cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", "model_name=tiny", f"vocab_size={a.vocab}",
            f"tokenizer_path={work / 'tokenizer'}", "dataset_type=sft", f"dataset_path={work / 'train.jsonl'}",
-           "max_target_length=128", f"per_device_batch_size={a.batch}", f"steps={a.steps}", "opt_type=muon",
+           f"max_target_length={a.max_target_length}", f"per_device_batch_size={a.batch}", f"steps={a.steps}", "opt_type=muon",
            f"learning_rate={a.lr}", "lr_schedule=constant", f"warmup_steps_fraction={WARMUP / a.steps}", "weight_dtype=float32",
            f"checkpoint_period={a.steps}", "log_period=25", "enable_tensorboard=false",
            "async_checkpointing=false", "peak_tflops=0.1", f"base_output_directory={work}", "run_name=sft",
