@@ -190,7 +190,8 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "k3jax.train", "configs/base.yml", "model_name=tiny", f"vocab_size={a.vocab}",
            f"tokenizer_path={work / 'tokenizer'}", "dataset_type=sft", f"dataset_path={work / 'train.jsonl'}",
-           f"max_target_length={a.max_target_length}", f"per_device_batch_size={a.batch}", f"steps={a.steps}", "opt_type=muon",
+           f"max_target_length={a.max_target_length}", f"per_device_batch_size={a.batch}", f"steps={a.steps}",
+           "opt_type=muon",
            f"learning_rate={a.lr}", "lr_schedule=constant", f"warmup_steps_fraction={WARMUP / a.steps}", "weight_dtype=float32",
            f"checkpoint_period={a.steps}", "log_period=25", "enable_tensorboard=false",
            "async_checkpointing=false", "peak_tflops=0.1", f"base_output_directory={work}", "run_name=sft",

@@ -459,7 +459,8 @@ def test_k3_http_tool_choice_none_renders_its_turn_and_bans_the_tools_channel(k3
     (msg, _), _ = _both(s, _xtml(tok, "Sunny.<|close|>response<|sep|><|close|>message<|sep|>"), tool_choice="none",
                         extra_body={"chat_template_kwargs": {"thinking": False}})
     r = s.engine.requests[-1]
-    assert r.ban == 0 and tok.decode(r.prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+    assert r.ban == 0
+    assert tok.decode(r.prompt).endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
     assert msg["content"] == "Sunny." and msg["reasoning_content"] is None
 
 

@@ -191,7 +191,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                                  "send fewer or smaller images", param="messages", code="images_too_large")
         return items
 
-    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True, media=None, **k3_options) -> list[int]:
+    def _chat_prompt(messages, tools, kwargs, add_generation_prompt: bool = True, media=None,
+                     **k3_options) -> list[int]:
         try:
             return chat_ids(tokenizer, messages, tools=tools, template_kwargs=kwargs,
                             add_generation_prompt=add_generation_prompt, media=media, **k3_options)
@@ -248,7 +249,8 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                         top_k=s["top_k"], seed=proto.copy_seed(s["seed"], j % s["n"]), stop=s["stop"],
                         logprobs=out.logprobs, id=out.id if total == 1 else f"{out.id}-{j}", ignore_eos=s["ignore_eos"],
                         prompt_logprobs=echo[1] if echo is not None else None,
-                        images=media[0] if media else (), media=media[1] if media else (), ban_token=ban[0], ban=ban[1],
+                        images=media[0] if media else (), media=media[1] if media else (),
+                        ban_token=ban[0], ban=ban[1],
                         sink=lambda ev, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, ev)))
                 for j in range(total)]
         groups = [reqs[p:p + s["n"]] for p in range(0, total, s["n"])]
@@ -372,7 +374,8 @@ class _ChatTurn:
     finish reason ("tool_calls" when calls were returned). With parallel_tool_calls=false the
     generation is cancelled at the first complete call."""
 
-    def __init__(self, parser: toolcalls.Parser | k3_toolcalls.K3Parser, stop_ids, ignore_eos: bool, cancel, metrics):
+    def __init__(self, parser: toolcalls.Parser | k3_toolcalls.K3Parser, stop_ids, ignore_eos: bool, cancel,
+                 metrics):
         self.parser, self.stop_ids, self.ignore_eos, self.cancel, self.metrics = (
             parser, stop_ids, ignore_eos, cancel, metrics)
         self.last = None            # the last engine event that counted (usage)
