@@ -34,6 +34,31 @@ import types  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Compile work of this process (tracing, lowering, XLA's compile or a persistent-cache hit), by
+# function, for the timeline: each test report carries what happened since the previous report.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compiles: dict[str, list] = {}        # function -> [programs compiled, seconds]
+
+
+def _on_compile_event(event, seconds, **kw):
+    if event in _COMPILE_EVENTS:
+        name = str(kw.get("fun_name", "?"))
+        name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+        entry = _compiles.setdefault(name, [0, 0.0])
+        entry[0] += event == _COMPILE_EVENTS[2]
+        entry[1] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    report.k3jax_compiles = {k: v for k, v in _compiles.items()}    # serialised to the xdist controller
+    _compiles.clear()
+
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
@@ -102,31 +127,53 @@ def gcs():
 
 def pytest_terminal_summary(terminalreporter):
     """The suite's timeline at the end of its output (under xdist, from the controller's reports): worker
-    time per module and the 15 slowest tests, setup + call + teardown summed, so each change sees what
-    it cost. Also written to .pytest_cache/timeline.json."""
+    time per module with its compile share, the 15 slowest tests (setup + call + teardown summed) and
+    the functions compiled most, so each change sees what it cost and where compiles repeat. Also
+    written to .pytest_cache/timeline.json."""
     import json
     per_test: dict[str, float] = {}
+    compile_test: dict[str, float] = {}
+    functions: dict[str, list] = {}             # function -> [programs, seconds] over the session
+    seen = set()
     for reports in terminalreporter.stats.values():
         for r in reports:
-            if getattr(r, "nodeid", None) and isinstance(getattr(r, "duration", None), float):
-                per_test[r.nodeid] = per_test.get(r.nodeid, 0.0) + r.duration
+            if not (getattr(r, "nodeid", None) and isinstance(getattr(r, "duration", None), float)):
+                continue
+            if (r.nodeid, r.when) in seen:      # a report listed twice (e.g. a failed call: failed + error)
+                continue
+            seen.add((r.nodeid, r.when))
+            per_test[r.nodeid] = per_test.get(r.nodeid, 0.0) + r.duration
+            for name, (n, sec) in (getattr(r, "k3jax_compiles", None) or {}).items():
+                compile_test[r.nodeid] = compile_test.get(r.nodeid, 0.0) + sec
+                entry = functions.setdefault(f"{name}  ({r.nodeid.split('::')[0]})", [0, 0.0])
+                entry[0] += n
+                entry[1] += sec
     if not per_test:
         return
-    per_module: dict[str, float] = {}
+    per_module: dict[str, list] = {}
     for nodeid, t in per_test.items():
-        per_module[nodeid.split("::")[0]] = per_module.get(nodeid.split("::")[0], 0.0) + t
-    total = sum(per_test.values())
+        entry = per_module.setdefault(nodeid.split("::")[0], [0.0, 0.0])
+        entry[0] += t
+        entry[1] += compile_test.get(nodeid, 0.0)
+    total, compiling = sum(per_test.values()), sum(compile_test.values())
     w = terminalreporter.write_line
     terminalreporter.section("timeline")
-    w(f"worker time {total:.0f} s over {len(per_test)} tests; per module (s):")
-    for mod, t in sorted(per_module.items(), key=lambda kv: -kv[1]):
-        w(f"  {t:8.1f}  {100 * t / total:4.1f}%  {mod}")
+    w(f"worker time {total:.0f} s over {len(per_test)} tests, {compiling:.0f} s of it tracing, lowering and "
+      f"compiling {sum(n for n, _ in functions.values())} programs in the test processes (subprocesses not "
+      "counted); per module (s, compiling s):")
+    for mod, (t, c) in sorted(per_module.items(), key=lambda kv: -kv[1][0]):
+        w(f"  {t:8.1f}  {100 * t / total:4.1f}%  {c:7.1f}  {mod}")
     w("15 slowest tests (setup + call + teardown, s):")
     for nodeid, t in sorted(per_test.items(), key=lambda kv: -kv[1])[:15]:
         w(f"  {t:8.1f}  {nodeid}")
+    w("15 functions with the most compile time, per module (s, programs: one per shape / setting compiled):")
+    for name, (n, sec) in sorted(functions.items(), key=lambda kv: -kv[1][1])[:15]:
+        w(f"  {sec:8.1f}  {n:4d}  {name}")
     out = Path(__file__).resolve().parents[1] / ".pytest_cache" / "timeline.json"
     try:
         out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps({"worker_s": total, "modules": per_module, "tests": per_test}, indent=1))
+        out.write_text(json.dumps({"worker_s": total, "compile_s": compiling, "modules": per_module,
+                                   "tests": per_test, "compile_by_test": compile_test, "functions": functions},
+                                  indent=1))
     except OSError:
         pass
