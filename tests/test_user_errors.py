@@ -42,23 +42,23 @@ def files(tmp_path_factory):
          "badyaml": w("bad.yml", b"steps: [1\n"),
          "listyaml": w("list.yml", b"- steps\n"),
          "modelyml": w("model.yml", b"hidden_sizee: 64\n")}
-    for name in ("notok", "badtokcfg", "badbpe", "k3tok", "noparams", "garbage", "llama", "badcfg",
+    for name in ("notok", "badtokcfg", "badbpe", "nochattok", "noparams", "garbage", "llama", "badcfg",
                  "noshards", "truncated", "nocfg"):
         (d / name).mkdir()
         f[name] = str(d / name)
-    for name in ("badtokcfg", "badbpe", "k3tok"):
+    for name in ("badtokcfg", "badbpe", "nochattok"):
         shutil.copy(DEMO_TOK / "tiktoken.model", d / name)
         shutil.copy(DEMO_TOK / "tokenizer_config.json", d / name)
     (d / "badtokcfg" / "tokenizer_config.json").write_text("{not json")
     (d / "badbpe" / "tiktoken.model").write_text("@@@ not base64\n")
-    # A K3-named tokenizer without a chat template: its stop token is <|end_of_msg|>.
-    k3 = json.loads((DEMO_TOK / "tokenizer_config.json").read_text())
-    k3.pop("chat_template", None)
-    rename = {"<|im_end|>": "<|end_of_msg|>", "<|im_user|>": "<|open|>", "<|im_assistant|>": "<|close|>",
-              "<|im_system|>": "<|sep|>"}
-    for entry in k3["added_tokens_decoder"].values():
+    # A tokenizer with neither K2's chat tokens nor K3's markers, and no chat template (its stop token
+    # <|end_of_msg|>, K3's name): it cannot render a chat. (A K3 tokenizer renders K3's format natively.)
+    cfg = json.loads((DEMO_TOK / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    rename = {"<|im_end|>": "<|end_of_msg|>", "<|im_user|>": "<|reserved_token_x|>"}
+    for entry in cfg["added_tokens_decoder"].values():
         entry["content"] = rename.get(entry["content"], entry["content"])
-    (d / "k3tok" / "tokenizer_config.json").write_text(json.dumps(k3))
+    (d / "nochattok" / "tokenizer_config.json").write_text(json.dumps(cfg))
     (d / "garbage" / "params").mkdir()
     (d / "garbage" / "params" / "junk.txt").write_text("not orbax")
     (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
@@ -164,7 +164,7 @@ CASES = [
     ("empty-prompt", "k3jax.decode", [*DECODE, "prompt="], "prompt"),
     ("prompt-too-long", "k3jax.decode", [*DECODE, "prompt=" + "word " * 40, "max_prefill_length=8"],
      "max_prefill_length"),
-    ("chat-k3-tokenizer", "k3jax.decode", ["tokenizer_path={k3tok}", "vocab_size=1024", "chat=true"], "chat=true"),
+    ("chat-no-markup", "k3jax.decode", ["tokenizer_path={nochattok}", "vocab_size=1024", "chat=true"], "chat=true"),
     ("decode-top-p", "k3jax.decode", [*DECODE, "sampling=sample", "top_p=2"], "top_p=2"),
     # --- logit_check, compile, plan -----------------------------------------------------------------
     ("golden-unset", "k3jax.logit_check", ["load_parameters_path={garbage}"], "golden"),
