@@ -50,7 +50,13 @@ def _on_compile_event(event, seconds, **kw):
         entry[1] += seconds
 
 
+def _on_event(event, **kw):
+    if event == "/jax/compilation_cache/cache_hits":     # a program read from the persistent cache
+        _compiles.setdefault("(persistent cache hits)", [0, 0.0])[0] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+jax.monitoring.register_event_listener(_on_event)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -156,11 +162,13 @@ def pytest_terminal_summary(terminalreporter):
         entry[0] += t
         entry[1] += compile_test.get(nodeid, 0.0)
     total, compiling = sum(per_test.values()), sum(compile_test.values())
+    hits = sum(n for name, (n, _) in functions.items() if name.startswith("(persistent cache hits)"))
+    programs = sum(n for name, (n, _) in functions.items() if not name.startswith("(persistent cache hits)"))
     w = terminalreporter.write_line
     terminalreporter.section("timeline")
     w(f"worker time {total:.0f} s over {len(per_test)} tests, {compiling:.0f} s of it tracing, lowering and "
-      f"compiling {sum(n for n, _ in functions.values())} programs in the test processes (subprocesses not "
-      "counted); per module (s, compiling s):")
+      f"compiling {programs} programs ({hits} read from the persistent cache) in the test processes "
+      "(subprocesses not counted); per module (s, compiling s):")
     for mod, (t, c) in sorted(per_module.items(), key=lambda kv: -kv[1][0]):
         w(f"  {t:8.1f}  {100 * t / total:4.1f}%  {c:7.1f}  {mod}")
     w("15 slowest tests (setup + call + teardown, s):")
