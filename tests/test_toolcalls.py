@@ -260,9 +260,13 @@ def tok_text(tok, t):
 
 @pytest.fixture(scope="module")
 def scripted(toks):
+    yield from _scripted_server(toks["k2.5"])
+
+
+def _scripted_server(tok):
+    """The real routes over a ScriptedEngine for ``tok``, with the openai client (a fixture's body)."""
     from test_serve import start_http
 
-    tok = toks["k2.5"]
     engine = ScriptedEngine(tok)
     metrics = ServeMetrics(engine.stats)
     server, thread, url = start_http(create_app(engine, tok, model_name="m", context=4096, metrics=metrics))
@@ -376,17 +380,8 @@ USER = [{"role": "user", "content": "weather?"}]
 
 @pytest.fixture(scope="module")
 def k3_scripted(tmp_path_factory):
-    from test_serve import start_http
-
-    tok = KimiTokenizer.from_dir(tiny_tokenizer.build(tmp_path_factory.mktemp("k3tok"), vocab_size=512,
-                                                      num_reserved=tiny_tokenizer.MIN_RESERVED, family="k3"))
-    engine = ScriptedEngine(tok)
-    metrics = ServeMetrics(engine.stats)
-    server, thread, url = start_http(create_app(engine, tok, model_name="m", context=4096, metrics=metrics))
-    yield types.SimpleNamespace(engine=engine, tok=tok, url=url, metrics=metrics,
-                                client=openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60))
-    server.should_exit = True
-    thread.join(30)
+    yield from _scripted_server(KimiTokenizer.from_dir(tiny_tokenizer.build(
+        tmp_path_factory.mktemp("k3tok"), vocab_size=512, num_reserved=tiny_tokenizer.MIN_RESERVED, family="k3")))
 
 
 def _xtml(tok, text):
