@@ -472,9 +472,11 @@ def test_k3_http_response_format_and_thinking_effort_render_their_turns(k3_scrip
                          'schema:\n```json\n{"properties":{"ok":{"type":"boolean"}},"type":"object"}\n```'
                          '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|>'
                          '<|open|>think<|sep|>')
-    for extra, param in [({"response_format": {"type": "grammar"}}, "response_format"),
-                         ({"chat_template_kwargs": {"thinking_effort": "medium"}}, "messages"),
-                         ({"chat_template_kwargs": {"enable_thinking": False}}, "messages")]:
+    for extra, param, words in [({"response_format": {"type": "grammar"}}, "response_format", "'grammar'"),
+                                ({"chat_template_kwargs": {"thinking_effort": "medium"}}, "chat_template_kwargs",
+                                 "'medium'"),
+                                ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs",
+                                 "['enable_thinking']")]:
         with pytest.raises(openai.BadRequestError) as e:
             s.client.chat.completions.create(model="m", messages=USER, tools=TOOLS, extra_body=extra)
-        assert e.value.body["param"] == param, e.value.body
+        assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body

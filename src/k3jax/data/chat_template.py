@@ -212,6 +212,22 @@ def _specials_in(text: str, tokenizer: KimiTokenizer) -> list[str]:
 K3_TEMPLATE_KWARGS = ("thinking", "thinking_effort")
 
 
+def k3_template_kwargs(template_kwargs: Mapping[str, Any] | None) -> dict:
+    """K3's chat options from a request's ``chat_template_kwargs``: ``thinking`` (a bool) and
+    ``thinking_effort`` (low / high / max, or None for no thinking-effort turn); anything else is a
+    ValueError naming it."""
+    kw = dict(template_kwargs or {})
+    bad = sorted(set(kw) - set(K3_TEMPLATE_KWARGS))
+    if bad:
+        raise ValueError(f"{bad}: K3's renderer takes only {list(K3_TEMPLATE_KWARGS)}")
+    if not isinstance(kw.get("thinking", True), bool):
+        raise ValueError(f"thinking must be true or false, got {kw['thinking']!r}")
+    effort = kw.get("thinking_effort", "max")
+    if effort is not None and effort not in k3_chat.EFFORTS:
+        raise ValueError(f"thinking_effort must be one of {list(k3_chat.EFFORTS)} or null, got {effort!r}")
+    return kw
+
+
 def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
              tools: Sequence[Mapping[str, Any]] | None = None,
              template_kwargs: Mapping[str, Any] | None = None,
@@ -244,14 +260,9 @@ def chat_ids(tokenizer: KimiTokenizer, messages: Sequence[Message], *, add_gener
     families have no such turns: `response_format` or those `tool_choice` values are a ValueError.
     """
     if k3_chat.is_k3(tokenizer):
-        kw = dict(template_kwargs or {})
-        bad = sorted(set(kw) - set(K3_TEMPLATE_KWARGS))
-        if bad:
-            raise ValueError(f"chat_template_kwargs {bad}: K3's renderer takes only {list(K3_TEMPLATE_KWARGS)}")
-        if not isinstance(kw.get("thinking", True), bool):
-            raise ValueError(f"thinking must be true or false, got {kw['thinking']!r}")
         return k3_chat.render(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                              media=media, tool_choice=tool_choice, response_format=response_format, **kw)[0]
+                              media=media, tool_choice=tool_choice, response_format=response_format,
+                              **k3_template_kwargs(template_kwargs))[0]
     if response_format is not None or tool_choice in ("required", "none"):
         raise ValueError("tool_choice / response_format turns exist only in K3's chat format")
     template = tokenizer.chat_template

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3jax.data import k3_chat
-from k3jax.data.chat_template import chat_ids
+from k3jax.data.chat_template import chat_ids, k3_template_kwargs
 from k3jax.serve import k3_toolcalls
 from k3jax.serve import media as mediaio
 from k3jax.serve import protocol as proto
@@ -139,6 +139,10 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                                  "markup", param="tool_choice")
         items = await _images(body.messages)
         if k3:   # K3 keeps its tools declared and says "none" / "required" in a tool-choice turn
+            try:
+                k3_template_kwargs(body.chat_template_kwargs)
+            except ValueError as e:
+                raise proto.ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
             k3_options = {"tool_choice": body.tool_choice if body.tool_choice in ("none", "required") else None,
                           "response_format": proto.response_format(body)}
             ids = _chat_prompt(body.messages, body.tools, proto.template_kwargs(body),
