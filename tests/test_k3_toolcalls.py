@@ -8,6 +8,7 @@ import re
 import pytest
 
 from k3jax.data import k3_chat, tiny_tokenizer
+from k3jax.data.messages import content_parts
 from k3jax.data.tokenizer import KimiTokenizer
 from k3jax.serve import toolcalls
 from k3jax.serve.k3_toolcalls import K3Parser, forced_tokens
@@ -303,3 +304,60 @@ def test_random_ids_never_raise(tok):
                                    "tools_off", "bad_argument", "no_calls"}
         msg(events)
         assert p.feed(ids[0]) == [] and p.finish() == []
+
+
+def _golden_replies():
+    """(case id, conversation kwargs, index) of every assistant message in test_k3_chat's goldens."""
+    from test_k3_chat import CASES
+    return [(cid, kwargs, i) for cid, _, kwargs, _ in CASES
+            for i, m in enumerate(kwargs["messages"]) if m.get("role") == "assistant"]
+
+
+def _as_given(m: dict, thinking: bool) -> dict:
+    """What parsing a rendered assistant message gives back, from the message as written: text parts
+    joined, `reasoning` read as reasoning_content (none with thinking off: not rendered), blank
+    arguments as {}, flat calls as calls."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p["text"] for p in content)
+    calls = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function", c)
+        a = fn.get("arguments")
+        calls.append(call(fn["name"], {} if a is None or (isinstance(a, str) and not a.strip()) else a))
+    reasoning = (m.get("reasoning_content") or m.get("reasoning")) if thinking else None
+    return comparable({"content": content, "reasoning_content": reasoning if reasoning and reasoning.strip() else None,
+                       "tool_calls": calls})
+
+
+@pytest.mark.parametrize("cid,kwargs,i", _golden_replies(), ids=lambda v: v if isinstance(v, (str, int)) else "")
+def test_every_golden_assistant_message_parses_back(tok, cid, kwargs, i):
+    """parse(render(x)) == x for each assistant message of the renderer's golden conversations, in one
+    piece and token by token: its generated ids are the conversation up to it minus what precedes
+    them (the conversation before it and the turn's opening tags: the generation prompt, or a named
+    assistant's own open tag)."""
+    msgs = kwargs["messages"]
+    kw = {k: v for k, v in kwargs.items() if k not in ("messages", "add_generation_prompt", "tool_choice",
+                                                         "response_format", "media")}   # no images in replies
+    media = kwargs.get("media")
+    images = lambda ms: media[:sum(content_parts(m, True).count(None) for m in ms  # noqa: E731
+                                   if m.get("role") != "tool")] if media else None
+    thinking = kw.get("thinking", True)
+    head = k3_chat.open_tag("message", [("role", "assistant")] + ([("name", msgs[i]["name"])] if msgs[i].get("name")
+                                                                   else []))
+    head += k3_chat.open_tag("think" if thinking else "response")
+    before, _ = k3_chat.render(tok, msgs[:i], add_generation_prompt=False, media=images(msgs[:i]), **kw)
+    prompt = before + k3_chat.encode(tok, head)[0]
+    full, _ = k3_chat.render(tok, msgs[:i + 1], add_generation_prompt=False, media=images(msgs[:i + 1]), **kw)
+    assert full[:len(prompt)] == prompt, cid
+    gen = full[len(prompt):]
+    gen = gen[:gen.index(tok.token_id("<|end_of_msg|>"))]
+    names = [c.get("function", c)["name"] for c in msgs[i].get("tool_calls") or []]
+    prime = forced_tokens(tok, prompt, "auto")[1]
+    assert prime == X(tok, THINK if thinking else RESP)
+    want = _as_given(msgs[i], thinking)
+    p, events = run(tok, gen, prime=prime, tools=names)
+    assert comparable(msg(events)) == want and p.failures == [], cid
+    q = K3Parser(tok, tools=names, prime=prime)
+    streamed = [e for t in gen for e in q.feed(t)] + q.finish()
+    assert comparable(msg(streamed)) == want and q.failures == [], cid
