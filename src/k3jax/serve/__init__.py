@@ -6,7 +6,8 @@ serve_decode_steps, serve_max_decode_wait, serve_api_key, serve_decode_buckets, 
 serve_image_url_domains, serve_image_max_bytes, serve_image_fetch_timeout_s (chat image_url parts on a vision
 model); each slot holds
 max_target_length tokens (prompt + completion). The tokenizer is the checkpoint's (``tokenizer_path``
-or the one recorded with it) and chat prompts use its own chat template. SIGTERM (or Ctrl-C)
+or the one recorded with it); chat prompts use its family's chat format (K3's own, rendered natively,
+or the checkpoint's K2-family template). SIGTERM (or Ctrl-C)
 drains: no new connections, running and queued requests finish, exit 0.
 Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
 runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
@@ -16,7 +17,8 @@ prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, L
 media.py     chat image_url parts: data: URIs and allowed http(s) URLs -> processed images, digests
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
 text.py      incremental detokenisation and stop strings
-toolcalls.py the streaming parser of Kimi tool calls and thinking over generated token ids
+toolcalls.py the streaming parser of K2-family tool calls and thinking over generated token ids
+k3_toolcalls.py  the same for K3's XTML replies (think / response / tools channels, typed arguments)
 protocol.py  OpenAI request / response bodies
 api.py       the FastAPI routes
 metrics.py   Prometheus metrics
