@@ -171,7 +171,11 @@ def test_grouped_media_equal_the_flat_packing_and_a_frozen_tower_stays_put():
         assert "shard_map" in str(jax.make_jaxpr(lambda v, x, lay: v(x, lay))(model.vision, grouped["patches"], grouped))
     np.testing.assert_allclose(np.asarray(fm), np.asarray(fg), rtol=1e-5, atol=1e-6)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(b, t, cfg.model.hidden_size)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(splice(x, fg, grouped["slots"])), np.asarray(splice(x, ff, flat["slots"])))
+    # The splice places the same rows at the same positions: bit for bit when both layouts carry the same
+    # feature values (the two tower programs agree to the tolerance above, not to the last bit on every
+    # CPU: this host's XLA:CPU differs by up to 7.5e-9 between the grouped and the flat program).
+    same = ff.at[:b].set(fg[:, 0])
+    np.testing.assert_array_equal(np.asarray(splice(x, fg, grouped["slots"])), np.asarray(splice(x, same, flat["slots"])))
     ones = jnp.ones((b, t), jnp.float32)
     lm = np.asarray(slot_loss_mask(ones, grouped["slots"]))
     np.testing.assert_array_equal(lm, np.asarray(slot_loss_mask(ones, flat["slots"])))
