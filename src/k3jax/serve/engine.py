@@ -94,9 +94,9 @@ class Request:
     media: tuple = ()                         # (token position, content digest) per media item: prefix cache keys
     images: tuple = ()                        # processed images (vision_processor.MediaItem), pads in prompt
     prompt_logprobs: int | None = None        # echo: alternatives per prompt token (None = not scored)
-    ban_token: int = -1                       # a token it may sample only ``ban`` times (-1: none); the
-    ban: int = -1                             # tool-call opener for tool_choice="none" (K3: <|open|> once, for
-                                              # the response channel after thinking; K2: the section token, 0)
+    ban_token: int = -1                       # a token it may sample only ``ban`` more times (-1: none), counted
+    ban: int = -1                             # down as it is sampled; the tool-call opener for tool_choice="none"
+                                              # (K3: <|open|> once, the response channel after thinking; K2: 0)
     copies: list = dataclasses.field(default_factory=list)   # n > 1: the other choices (they share r's prefill)
     # engine state
     slot: int = -1
@@ -376,8 +376,7 @@ class Engine:
 
     def _sampling(self, r: Request):
         """(temperature, top_k, top_p, seed, counter, ban) of r's next sample."""
-        ban = pack_ban(r.ban_token, r.ban if r.ban < 0 else max(r.ban - r.generated.count(r.ban_token), 0))
-        return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated), ban
+        return r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, len(r.generated), pack_ban(r.ban_token, r.ban)
 
     def _prefill(self, prefilling: list[Request]) -> None:
         """One prefill step: the oldest prompt's next chunk, batched with the next oldest text prompts'."""
@@ -475,6 +474,8 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.first_token(r.first_token_at - r.submitted)
         r.generated.append(token)
+        if r.ban > 0 and token == r.ban_token:      # one of the times it may sample it is used
+            r.ban -= 1
         if self.metrics is not None:
             self.metrics.tokens(1)
         entries = [self._logprob_entry(token, lp, top_ids, top_lp, r.logprobs)] if r.logprobs is not None else []
