@@ -411,9 +411,50 @@ class CompileConfig:
                         "(serving meshes tensor x expert, roofline ms per token)", ("train", "decode"))
 
 
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO-family reinforcement learning (docs/rl.md). Names follow Tunix's GRPOConfig with an rl_ prefix."""
+    rl_num_generations: int = _f(4, "completions sampled per prompt (GRPOConfig.num_generations, the group size G); "
+                                 "advantages are relative to the group, so >= 2")
+    rl_num_iterations: int = _f(1, "optimizer steps per rollout batch (GRPOConfig.num_iterations); 1 = on-policy: "
+                                "pi_old is the policy being trained and its log-probs need no extra forward")
+    rl_beta: float = _f(0.0, "weight of the k3 KL estimate to a frozen reference (GRPOConfig.beta); 0 = no KL term "
+                        "and no reference copy of the parameters")
+    rl_epsilon: float = _f(0.2, "lower clip of the importance ratio: clip(ratio, 1 - rl_epsilon, ...) (GRPOConfig.epsilon; "
+                           "GSPO's paper: 3e-4)")
+    rl_epsilon_high: float = _f(0.28, "upper clip: clip(ratio, ..., 1 + rl_epsilon_high) (DAPO's clip-higher 0.28; "
+                                "= rl_epsilon for GRPO's symmetric clip; GSPO's paper: 4e-4)")
+    rl_loss_agg: str = _f("token_mean", "how token losses become the loss: token_mean (over every completion token "
+                          "of the batch, DAPO) | seq_mean_token_mean (per sequence, then over sequences: GRPO as "
+                          "published, GSPO) | seq_mean_token_sum_norm (token sums over a constant, the row length "
+                          "T: Dr. GRPO)", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    rl_advantage: str = _f("grpo", "group advantage: grpo ((r - mean) / (std + 1e-4)) | dr_grpo (r - mean, no std)",
+                           ("grpo", "dr_grpo"))
+    rl_objective: str = _f("grpo", "ratio: grpo (per token) | gspo (per sequence, length-normalised) | gspo_token "
+                           "(GSPO's value with per-token gradients)", ("grpo", "gspo", "gspo_token"))
+    rl_drop_equal_groups: bool = _f(True, "leave groups whose rewards are all equal (advantage 0, no signal) out of "
+                                    "the loss and its normaliser, as DAPO's dynamic-sampling filter does")
+    rl_tis_cap: float = _f(2.0, "truncated importance sampling: weight each token's loss by min(pi_old / pi_rollout, "
+                           "this) against the rollout / trainer mismatch; 0 = off")
+    rl_rewards: list = _f(["exact_match"], "rewards summed with weights: NAME or module:function, optionally =WEIGHT "
+                          "(default 1), e.g. [exact_match, format=0.1, my_pkg.rewards:score=0.5]; built in: "
+                          "exact_match, tool_call, format")
+    rl_reward_errors: str = _f("raise", "a reward function that raises or returns no number: raise (stop, naming "
+                               "the function and the prompt's file:line) | zero (that component scores 0, counted)",
+                               ("raise", "zero"))
+    rl_max_new_tokens: int = _f(16, "tokens a rollout may generate per model turn; a prompt plus these must fit "
+                                "max_target_length")
+    rl_max_turns: int = _f(1, "model turns per rollout (a turn ending in a tool call gets the tool's result and "
+                           "continues); 1 = single-turn")
+    rl_temperature: float = _f(1.0, "rollout sampling temperature (> 0: the behaviour log-probs are of this "
+                               "distribution)")
+    rl_top_p: float = _f(1.0, "rollout nucleus probability mass; 1 = off (the behaviour log-probs are of the "
+                         "truncated distribution)")
+
+
 SECTIONS = {"model": ModelConfig, "vision": VisionConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,
             "checkpoint": CheckpointConfig, "mesh": MeshConfig, "decode": DecodeConfig, "serve": ServeConfig,
-            "check": CheckConfig, "compile": CompileConfig}
+            "check": CheckConfig, "compile": CompileConfig, "rl": RLConfig}
 TOP_LEVEL = ("model_name",)
 
 
@@ -432,6 +473,7 @@ class Config:
     serve: ServeConfig
     check: CheckConfig
     compile: CompileConfig
+    rl: RLConfig
 
     def flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model_name": self.model_name}
