@@ -97,6 +97,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         raise ConfigError("compile_images_per_sequence must be >= 0 and compile_image_size >= 1 (pixels)")
     _validate_eval_and_sft(cfg)
     _validate_data(cfg.data)
+    _validate_rl(cfg)
     _validate_vision(cfg, platform)
     _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
     _validate_pipeline(cfg, num_devices)
@@ -231,6 +232,61 @@ def _validate_decode(d) -> None:
         raise ConfigError(f"max_new_tokens={d.max_new_tokens}: must be positive")
     if d.max_prefill_length < 0:
         raise ConfigError(f"max_prefill_length={d.max_prefill_length}: must be >= 0 (0 = max_target_length)")
+
+
+def rl_reward_specs(entries: list) -> list[tuple[str, float]]:
+    """rl_rewards entries -> [(NAME or module:function, weight)]; ``SPEC=WEIGHT`` sets the weight (default 1).
+    ConfigError for an entry that is not such a string (k3jax.rl.rewards resolves the specs)."""
+    out = []
+    for e in entries:
+        spec, sep, weight = str(e).rpartition("=") if isinstance(e, str) and "=" in e else (e, "", "1")
+        if not isinstance(spec, str) or not spec.strip() or spec != spec.strip() or " " in spec:
+            raise ConfigError(f"rl_rewards entry {e!r}: must be NAME or module:function, optionally =WEIGHT "
+                              "(e.g. exact_match, format=0.1, my_pkg.rewards:score=0.5)")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"rl_rewards entry {e!r}: the weight {weight!r} after '=' is not a number") from None
+        if not math.isfinite(w):
+            raise ConfigError(f"rl_rewards entry {e!r}: the weight must be finite")
+        if spec.count(":") > 1 or spec.startswith(":") or spec.endswith(":"):
+            raise ConfigError(f"rl_rewards entry {e!r}: a user reward is module:function (one ':')")
+        out.append((spec, w))
+    return out
+
+
+def _validate_rl(cfg: Config) -> None:
+    """The rl section (docs/rl.md): group size, clip ranges, reward list, sampling. Its values only; a prompt plus
+    rl_max_new_tokens against max_target_length is checked per prompt (k3jax.rl.prompts), since every tool
+    validates this section and a training config may have a shorter max_target_length."""
+    r = cfg.rl
+    if r.rl_num_generations < 2:
+        raise ConfigError(f"rl_num_generations={r.rl_num_generations}: GRPO's advantages are relative to the group "
+                          f"of completions of one prompt (r - group mean), so with fewer than 2 every advantage is "
+                          f"0 and nothing is learned; use >= 2 (e.g. 8)")
+    if r.rl_num_iterations < 1:
+        raise ConfigError(f"rl_num_iterations={r.rl_num_iterations}: must be >= 1 (optimizer steps per rollout batch)")
+    if r.rl_beta < 0:
+        raise ConfigError(f"rl_beta={r.rl_beta}: must be >= 0 (0 = no KL term)")
+    if not 0 < r.rl_epsilon < 1:
+        raise ConfigError(f"rl_epsilon={r.rl_epsilon}: must be in (0, 1) (the ratio is clipped below at 1 - it)")
+    if r.rl_epsilon_high <= 0:
+        raise ConfigError(f"rl_epsilon_high={r.rl_epsilon_high}: must be > 0 (the ratio is clipped above at 1 + it)")
+    if r.rl_tis_cap != 0 and r.rl_tis_cap < 1:
+        raise ConfigError(f"rl_tis_cap={r.rl_tis_cap}: must be 0 (off) or >= 1 (a cap below 1 would shrink every "
+                          "on-policy token's weight; Yao et al. use 2)")
+    if not r.rl_rewards:
+        raise ConfigError("rl_rewards=[]: give at least one reward (e.g. [exact_match])")
+    rl_reward_specs(r.rl_rewards)
+    if r.rl_max_turns < 1:
+        raise ConfigError(f"rl_max_turns={r.rl_max_turns}: must be >= 1")
+    if r.rl_max_new_tokens < 1:
+        raise ConfigError(f"rl_max_new_tokens={r.rl_max_new_tokens}: must be positive")
+    if r.rl_temperature <= 0:
+        raise ConfigError(f"rl_temperature={r.rl_temperature}: must be > 0 (rollouts sample; the loss needs the "
+                          "log-probs of the distribution sampled from)")
+    if not 0 < r.rl_top_p <= 1:
+        raise ConfigError(f"rl_top_p={r.rl_top_p}: must be in (0, 1] (1 = off)")
 
 
 def _validate_images(cfg: Config) -> None:
