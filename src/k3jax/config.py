@@ -29,7 +29,7 @@ from k3jax.validation import (  # noqa: F401 - re-exported: callers use config.v
     FREEZABLE, PATH_KEYS, VOCAB_PARALLEL_AXES, check_path_scheme, mesh_shape, validate)
 from k3jax.schema import (  # noqa: F401 - the schema's names are part of this module's interface
     MESH_AXES, SECTIONS, TOP_LEVEL, CheckConfig, CheckpointConfig, CompileConfig, Config, ConfigError, DataConfig,
-    DecodeConfig, EvalConfig, KernelConfig, MeshConfig, ModelConfig, ServeConfig, TrainConfig)
+    DecodeConfig, EvalConfig, KernelConfig, MeshConfig, ModelConfig, RLConfig, ServeConfig, TrainConfig)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
