@@ -189,7 +189,8 @@ def _expected_calls(value: Any) -> list[dict]:
     for c in calls:
         fn = c.get("function", c) if isinstance(c, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"tool_call must be {{\"name\": ..., \"arguments\": {{...}}}} or a list of them, got {c!r}")
+            raise ValueError(f"tool_call must be {{\"name\": ..., \"arguments\": {{...}}}} or a list of them, "
+                             f"got {c!r}")
         args = fn.get("arguments", {})
         out.append({"name": fn["name"], "arguments": json.loads(args) if isinstance(args, str) else args})
     return out
