@@ -213,3 +213,25 @@ def test_builtin_reward_on_a_bad_record_is_reported_with_its_place():
     with pytest.raises(R.RewardError, match="reward 'tool_call' raised ValueError: tool_call must be .* at x.jsonl:2"):
         rs.score({"tool_call": "get_weather"}, "x.jsonl:2", R.Reply(text=""))
     assert math.isclose(R.RewardSet([R.load_reward("format", 0.25)]).score({}, "x:1", R.Reply(text="")).total, 0.25)
+
+
+def test_a_trajectory_is_judged_whole(k3):
+    """Multi-turn: each model turn parsed with the prompt it continued; the calls of every turn and the
+    last turn's answer are what the rewards see."""
+    prompt, ids = generated(k3, REPLY)
+    first = R.parse_reply(k3, prompt, ids, tools=NAMES)
+    history = USER + [REPLY, {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+                      {"role": "tool", "tool_call_id": "b", "content": "4"}]
+    prompt2 = chat_template.chat_ids(k3, history, tools=TOOLS)
+    full = chat_template.chat_ids(k3, history + [{"role": "assistant", "reasoning_content": "Done.",
+                                                   "content": "\\boxed{4}"}], tools=TOOLS, add_generation_prompt=False)
+    assert full[:len(prompt2)] == prompt2
+    second = R.parse_reply(k3, prompt2, full[len(prompt2):], tools=NAMES)
+    whole = R.join_turns([first, second])
+    assert whole.text == "\\boxed{4}" and whole.reasoning == "Need the weather.\n\nDone."
+    assert [c["name"] for c in whole.tool_calls] == NAMES and whole.think_closed and not whole.failures
+    rec = {"answer": 4, "tool_call": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                                      {"name": "calc", "arguments": {"expr": "2+2"}}]}
+    assert (R.exact_match(rec, whole), R.tool_call(rec, whole), R.format_reward(rec, whole)) == (1.0, 1.0, 1.0)
+    cut = R.join_turns([first, dataclasses.replace(second, think_closed=False)])
+    assert R.format_reward(rec, cut) == 0.0

@@ -108,6 +108,18 @@ def parse_reply(tok: KimiTokenizer, prompt_ids: Sequence[int], completion_ids: S
                  failures=tuple(parser.failures), think_closed=think_closed)
 
 
+
+def join_turns(turns: Sequence[Reply]) -> Reply:
+    """A multi-turn trajectory's model turns (each parsed on its own, with the prompt it continued) as
+    one ``Reply``: the last turn's text (the final answer), every turn's reasoning (blank-line
+    separated), calls and failures in order, thinking closed in every turn."""
+    if not turns:
+        raise ValueError("join_turns: no turns")
+    return Reply(text=turns[-1].text, reasoning="\n\n".join(t.reasoning for t in turns if t.reasoning),
+                 tool_calls=tuple(c for t in turns for c in t.tool_calls),
+                 failures=tuple(f for t in turns for f in t.failures),
+                 think_closed=all(t.think_closed for t in turns))
+
 # -- final-answer matching ------------------------------------------------------------------------------
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s*(?:is\s*:?|:)\s*", re.IGNORECASE)
