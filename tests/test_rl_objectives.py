@@ -219,7 +219,7 @@ def test_padding_rows_and_masked_tokens_change_nothing(agg):
     np.testing.assert_allclose(padded[1][:B], base[1], rtol=1e-5, atol=1e-8)
     assert not padded[1][B:].any()
     for k in ("pg_loss", "kl", "ratio_mean", "clip_low_frac", "clip_high_frac", "tis_weight_mean", "tokens",
-              "reward_mean", "reward_std", "advantage_abs_mean"):
+              "reward_mean", "reward_std", "advantage_abs_mean", "equal_groups_frac"):
         assert padded[2][k] == pytest.approx(base[2][k], rel=1e-5), k
 
 

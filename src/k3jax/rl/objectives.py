@@ -144,7 +144,7 @@ def rl_loss(cfg: RLConfig, logp: Array, mask: Array, rewards: Array, *, old: Arr
     clipped term is active), ``tis_weight_mean`` / ``tis_capped_frac`` and ``rollout_logp_gap``
     (mean |old - rollout|, the mismatch; with rl_tis_cap > 0), ``reward_mean`` / ``reward_std``
     (all rows with tokens), ``advantage_abs_mean`` (kept rows), ``equal_groups_frac`` (groups
-    without signal), ``tokens`` (tokens kept).
+    with tokens but without signal), ``tokens`` (tokens kept).
     """
     if cfg.rl_objective not in OBJECTIVES:
         raise ValueError(f"rl_objective={cfg.rl_objective!r}: must be one of {OBJECTIVES}")
@@ -196,11 +196,12 @@ def rl_loss(cfg: RLConfig, logp: Array, mask: Array, rewards: Array, *, old: Arr
     rows = jnp.maximum(has_tokens.sum(), 1)
     r_mean = jnp.where(has_tokens, r, 0.0).sum() / rows
     kept_rows = mask.sum(-1) > 0
+    live = has_tokens.reshape(-1, cfg.rl_num_generations).any(-1)           # groups that are not padding
     metrics.update(
         pg_loss=pg_loss, ratio_mean=mean(jax.lax.stop_gradient(ratio)),
         clip_low_frac=mean(low.astype(dt)), clip_high_frac=mean(high.astype(dt)),
         reward_mean=r_mean, reward_std=jnp.sqrt(jnp.where(has_tokens, (r - r_mean) ** 2, 0.0).sum() / rows),
         advantage_abs_mean=jnp.where(kept_rows, jnp.abs(adv), 0.0).sum() / jnp.maximum(kept_rows.sum(), 1),
-        equal_groups_frac=1.0 - informative.reshape(-1, cfg.rl_num_generations)[:, 0].mean(),
+        equal_groups_frac=(live & ~informative.reshape(live.shape[0], -1)[:, 0]).sum() / jnp.maximum(live.sum(), 1),
         tokens=mask.sum())
     return loss, metrics
