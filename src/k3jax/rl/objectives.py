@@ -1,9 +1,10 @@
 """GRPO-family policy objectives: group advantages, clipped ratios, aggregation, KL, TIS.
 
-Pure jax functions over per-token log-probabilities of the sampled completion tokens (docs/rl.md;
-the math: ../shared/docs/rl.md). Shapes: B completions (``B = prompts x G``, the G completions of a
-prompt on consecutive rows), T token positions; every [B, T] array is aligned on the completion's
-tokens: ``logp[b, t] = log pi(o_{b,t} | o_{b,<t}, prompt)``.
+Pure jax functions over per-token log-probabilities of the sampled completion tokens (docs/rl.md).
+Shapes: B completions (``B = prompts x G``, the G completions of a prompt on consecutive rows), T
+token positions; every [B, T] array is aligned alike: position t holds the log-probability of row
+b's token t given the tokens before it (the rows may hold only the completions or whole prompt +
+completion sequences: the mask decides what counts).
 
     logp      f32 [B, T]  log pi_theta, the policy being trained (the only input with a gradient)
     old       f32 [B, T]  log pi_old: the ratio's reference (the trainer's forward of the rollout's
