@@ -48,6 +48,7 @@ def generated(tok, reply):
 @pytest.mark.parametrize("text,answer,want", [
     ("8", 8, True), ("8.0", "8", True), (" 8 ", 8, True), ("08", 8, True), ("8.", 8, True),
     ("\\boxed{8}", 8, True), ("So \\boxed{ 8.00 }.", "8", True), ("The answer is 8.", 8, True),
+    ("The answer is 8.\nBecause 8 > 5.", 8, True),
     ("Final answer: $8$", 8, True), ("1,000", 1000, True), ("\\frac{1}{2}", "0.5", True), ("16/2", 8, True),
     ("\\boxed{\\dfrac{3}{4}}", 0.75, True), ("first \\boxed{4}, then \\boxed{8}", 8, True),
     ("\\boxed{x^{2}+1}", "x^{2}+1", True), ("Paris", "paris", True), ("\\text{Paris}", "Paris", True),

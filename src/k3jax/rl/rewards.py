@@ -142,14 +142,14 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str:
-    """The final answer a reply states: the last ``\\boxed{}`` if any; else what follows the last
-    "answer is" / "answer:"; else the whole text. (So "\\boxed{8}", "The answer is 8." and "8" all
-    state 8; "3, or maybe 8" states "3, or maybe 8", which matches nothing.)"""
+    """The final answer a reply states: the last ``\\boxed{}`` if any; else the rest of the line after
+    the last "answer is" / "answer:"; else the whole text. (So "\\boxed{8}", "The answer is 8." and
+    "8" all state 8; "3, or maybe 8" states "3, or maybe 8", which matches nothing.)"""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     found = list(_ANSWER_IS.finditer(text))
-    return text[found[-1].end():] if found else text
+    return text[found[-1].end():].split("\n", 1)[0] if found else text
 
 
 def normalize_answer(s: str) -> str:
