@@ -45,7 +45,7 @@ def run_programs(path: str) -> None:
     from k3jax import config as C
     from k3jax import model as M
     from k3jax import sharding as S
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     from k3jax.state import init_state
     from test_model import KIMI_LINEAR_TINY
     jax.config.update("jax_default_matmul_precision", "highest")      # as tests/conftest.py

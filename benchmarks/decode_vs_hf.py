@@ -58,7 +58,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
-from k3jax.decode import generate  # noqa: E402
+from k3jax.inference.generate import generate  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import load_model  # noqa: E402
 

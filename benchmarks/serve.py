@@ -133,12 +133,13 @@ def bucket_steps(args, slots: int, context: int, chunk: int, repeats: int = 5) -
     compacted batch would run; no gather), median of ``repeats`` after one warm-up."""
     from flax import nnx
 
-    from k3jax.serve.programs import Programs
+    from k3jax.inference.programs import Programs
     from k3jax.state import load_model
     cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
     mesh = make_mesh(cfg, jax.devices()[:1])
     model = load_model(cfg, mesh)
     progs = Programs(model, mesh, slots=slots, length=context, chunk=chunk)
+    progs.warm()
     gdef, state = nnx.split(model)
     plain = jax.jit(lambda st, t, c, p: nnx.merge(gdef, st).decode_step(t, c, p, jnp.zeros_like(p)), donate_argnums=2)
     rows = []
@@ -167,7 +168,7 @@ def generate_batch(args, prompts: list[list[int]], new_tokens: int, repeats: int
     """``generate()`` on all ``prompts`` as one batch, in process: output tokens / wall seconds of the
     calls after the first (the first compiles; the others reuse its programs, compile_s 0), the
     median of ``repeats`` such calls."""
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     from k3jax.state import load_model
     cfg = C.load(C.REPO_CONFIGS / "base.yml", args)
     mesh = make_mesh(cfg, jax.devices()[:1])

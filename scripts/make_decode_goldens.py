@@ -5,8 +5,8 @@ image prompts (the tiny vision model of tests/test_vision_model.py), which the i
 
 The asset was first recorded with the left-padded ``while_loop`` generate that the inference core
 replaced; this script asserted then that its replay (``prefill`` of the left-padded batch, then one
-``decode_step`` per token, the same calls that loop made) gave that generate's tokens. The replay
-lives on in tests/helpers.py (``left_pad``, ``prefill``) as the reference the tests use.
+``decode_step`` per token, the same calls that loop made) gave that generate's tokens. The replay's
+prefill is ``k3jax.inference.batch_prefill``.
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/make_decode_goldens.py [--out tests/assets/decode_golden.npz]
 """
@@ -25,11 +25,12 @@ from PIL import Image
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from helpers import left_pad, prefill, randomize  # noqa: E402
+from helpers import randomize  # noqa: E402
 from k3jax import config as C  # noqa: E402
 from k3jax import model as M  # noqa: E402
 from k3jax.data.chat_template import chat_ids  # noqa: E402
 from k3jax.data.vision_processor import from_config, process_image  # noqa: E402
+from k3jax.inference.batch_prefill import left_pad, prefill  # noqa: E402
 from k3jax.multimodal import media_inputs, media_token_ids  # noqa: E402
 from k3jax.runtime import load_tokenizer  # noqa: E402
 

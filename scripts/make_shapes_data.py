@@ -17,7 +17,7 @@ Labels: 4 colours x 3 shapes = 12 captions, chance is 1/12 for the pair. Shapes 
 position, backgrounds in a pale tone. No downloads; numpy + Pillow only.
 
 ``--score`` loads the last checkpoint of a training run (its config.yml, key=value overrides
-after), captions the held-out images greedily (``k3jax.decode.generate``) and prints each caption
+after), captions the held-out images greedily (``k3jax.inference.generate.generate``) and prints each caption
 and the accuracy, then the blank-image control's. ``captions`` and ``accuracy`` are the same
 functions tests/test_vision_learns.py uses.
 """
@@ -120,7 +120,7 @@ def captions(model, tok, pcfg, image_paths: list[str], max_new_tokens: int = 10,
         return out[:len(image_paths)]
     from k3jax.data.chat_template import render
     from k3jax.data.vision_processor import process_image
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     from k3jax.multimodal import media_token_ids, read_image
     pad = media_token_ids(tok)[2]
     items = [process_image(read_image(p), pcfg) for p in image_paths]

@@ -253,3 +253,18 @@ def test_prefill_compiles_under_context_parallelism(capsys):
     assert list(reports) == ["prefill"] and reports["prefill"]["memory"]["fits"]
     assert reports["prefill"]["global_batch"] == 1 and reports["prefill"]["estimate"]["step_s"] > 0
     assert "context=4: 64 tokens per slice" in capsys.readouterr().out
+
+
+def test_serve_programs_compile_for_v5p(capsys):
+    """compile_step=serve: the inference core's programs as the server runs them (its largest decode
+    bucket with several steps per call, its prefill chunk, the slot cache sharded over the mesh)
+    compile for v5p:2x2x1 from this host, each with its memory report."""
+    if not TP.libtpu_available():
+        pytest.skip("libtpu is not installed: no TPU compiler")
+    cfg = C.load_from_argv(TINY4 + ["compile_step=serve", "serve_max_batch=4", "serve_decode_steps=4",
+                                    "serve_prefill_chunk=32", "max_target_length=128"])
+    reports = K.run(cfg)
+    assert list(reports) == ["decode[4]", "prefill[32]"]
+    for r in reports.values():
+        assert r["memory"]["fits"] and r["memory"]["arguments"] > 0 and r["cost"]["flops"] > 0
+    assert "4 slots x 128 positions, 4 decode step(s) per call" in capsys.readouterr().out

@@ -97,7 +97,7 @@ def test_prefill_under_context_parallelism_then_decode_equals_one_device(models)
     """A long-prompt prefill split over context=4 (the context-parallel KDA, conv and MLA kernels,
     left padding in one row) leaves the cache and last logits of the one-device prefill; decoding
     from that cache (the latent's cache_seq split over the context axis) continues identically."""
-    from k3jax.decode import left_pad, prefill
+    from k3jax.inference.batch_prefill import left_pad, prefill
     cfg, mesh, single, sharded = models
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, cfg.model.vocab_size, n).tolist() for n in (32, 27)]
@@ -127,7 +127,7 @@ def test_prefill_under_context_parallelism_then_decode_equals_one_device(models)
 def test_generate_pads_a_short_prompt_to_the_context_slices(models):
     """generate() under context=4 with a 3-token prompt (shorter than 4 slices of the conv halo):
     left-padded to equal slices, it yields the one-device tokens."""
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     _, mesh, single, sharded = models
     want, _ = generate(single, [[5, 6, 7]], max_new_tokens=4)
     with jax.set_mesh(mesh):

@@ -28,7 +28,7 @@ def rel_rms(a, b):
 def cached_decode(model, g):
     """Prefill the golden's first decode_prompt_len tokens, then feed the rest one at a time:
     the step logits [B, steps, V], as transformers' cached decode produced them."""
-    from k3jax.decode import left_pad, prefill
+    from k3jax.inference.batch_prefill import left_pad, prefill
     ids = np.asarray(g["input_ids"], np.int32)
     n, steps = int(g["decode_prompt_len"]), g["decode_logits"].shape[1]
     toks, seg, start = left_pad([list(r[:n]) for r in ids])

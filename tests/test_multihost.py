@@ -316,7 +316,7 @@ def test_decode_and_logit_check_as_two_processes_match_one(elastic, store, run_r
 
     from k3jax import config as C
     from k3jax import logit_check
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     from k3jax.runtime import load_tokenizer
     from k3jax.sharding import make_mesh
     from k3jax.state import load_model

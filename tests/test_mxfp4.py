@@ -15,7 +15,7 @@ from conversion import quant
 from helpers import randomize
 from k3jax import config as C
 from k3jax import model as M
-from k3jax.decode import generate
+from k3jax.inference.generate import generate
 from k3jax.kernels.moe.mxfp4_gmm import mxfp4_grouped_matmul, tile_layout
 from k3jax.kernels.moe.quantized import MXFP4, bits_per_weight, dequantize, from_checkpoint_layout
 from k3jax.layers.common import REST, Packed

@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import randomize
 from k3jax import config as C
 from k3jax import model as M
-from k3jax.sampling import argmax_rows, ban_left, logprobs, pack_ban, sample_rows
+from k3jax.inference.sampling import argmax_rows, ban_left, logprobs, pack_ban, sample_rows
 
 CHUNK = 8
 

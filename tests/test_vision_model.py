@@ -17,7 +17,7 @@ from k3jax import config as C
 from k3jax import model as M
 from k3jax.data.chat_template import chat_ids, render
 from k3jax.data.vision_processor import VisionInputError, from_config, process_image
-from k3jax.decode import generate
+from k3jax.inference.generate import generate
 from k3jax.layers.common import REST
 from k3jax.multimodal import DROP, media_inputs, media_loss_mask, media_token_ids
 from k3jax.optim import make_optimizer

@@ -39,6 +39,8 @@ from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
 from k3jax.kernels.platform import resolve
 from k3jax.loss import resolve_loss_impl
 from k3jax.feed import token_sharding
+from k3jax.inference.batch_prefill import prefill
+from k3jax.inference.programs import Programs
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
@@ -194,11 +196,10 @@ def compile_decode(cfg, mesh):
 
 
 def compile_prefill(cfg, mesh):
-    """Compile ``decode.prefill`` of a max_target_length-token prompt per row into a cache of as many
-    slots: the prompt forward under the training mesh (its sequence split over the context axis, the
-    context-parallel KDA / MLA / conv kernels) and the cache it leaves, sharded as decode reads it."""
-    from k3jax.decode import prefill
-
+    """Compile ``inference.batch_prefill.prefill`` of a max_target_length-token prompt per row into a
+    cache of as many slots: the prompt forward under the training mesh (its sequence split over the
+    context axis, the context-parallel KDA / MLA / conv kernels) and the cache it leaves, sharded as
+    decode reads it."""
     gb, gdef, params, rest, cache = _serving_state(cfg, mesh, "prefill batch")
     length = cfg.train.max_target_length
     rows = batch_sharding(mesh, 1)
@@ -213,6 +214,21 @@ def compile_prefill(cfg, mesh):
         compiled = compile_lowered(fn.lower(params, rest, tok, tok, jax.ShapeDtypeStruct((gb,), jnp.int32, sharding=rows)),
                                    cfg, mesh)
     return compiled, time.perf_counter() - t0, gb
+
+
+def compile_serve(cfg, mesh):
+    """The inference core's programs as ``k3jax.serve`` runs them (``serve_max_batch`` slots of
+    max_target_length positions; the largest decode bucket, ``serve_decode_steps`` steps per call;
+    the ``serve_prefill_chunk`` prefill), compiled for the mesh -> ({name: compiled}, seconds)."""
+    gdef, state, _ = abstract_state(cfg, mesh)
+    sv = cfg.serve
+    progs = Programs(nnx.merge(gdef, state["params"], state["rest"]), mesh, slots=sv.serve_max_batch,
+                     length=cfg.train.max_target_length, chunk=sv.serve_prefill_chunk,
+                     decode_sizes=sv.serve_decode_buckets, decode_steps=sv.serve_decode_steps,
+                     compile_fn=lambda lowered: compile_lowered(lowered, cfg, mesh))
+    b, c = progs.decode_sizes[-1], progs.buckets[-1]
+    out = {f"decode[{b}]": progs.program("decode", b), f"prefill[{c}]": progs.program("prefill", c)}
+    return out, progs.compile_s
 
 
 # ---- reports (the roofline estimates live in k3jax.roofline) ---------------------------------------
@@ -346,6 +362,17 @@ def run(cfg, out=print) -> dict:
         out(f"prefill FLOPs per device: analytic forward {flops:.3e}; XLA {cost['flops']:.3e} (loop bodies once), "
             f"bytes accessed {cost['bytes']:.3e}; roofline at peak: >= {r['step_s']:.2f}s "
             f"({tokens / max(r['step_s'], 1e-12):.0f} prompt tokens/s on the whole slice)")
+    if cfg.compile.compile_step == "serve":
+        sv = cfg.serve
+        programs, secs = compile_serve(cfg, mesh)
+        out(f"serve: {sv.serve_max_batch} slots x {cfg.train.max_target_length} positions, {sv.serve_decode_steps} "
+            f"decode step(s) per call, prefill chunk {sv.serve_prefill_chunk}; compiled in {secs:.1f}s")
+        for name, compiled in programs.items():
+            mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
+            reports[name] = {"memory": mem, "cost": cost}
+            out(format_memory(name, mem))
+            out(f"{name} per call: XLA FLOPs {cost['flops']:.3e}, bytes accessed {cost['bytes']:.3e} (loop bodies "
+                f"counted once)")
     return reports
 
 

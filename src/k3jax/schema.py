@@ -391,7 +391,9 @@ class CompileConfig:
     compile_topology: Optional[str] = _f(None, "compile: TPU topology to compile for, e.g. v5p-2048, tpu7x-1024, v5p:2x2x1")
     compile_topology_num_slices: int = _f(1, "compile: slices of compile_topology joined over DCN (multi-slice); the dcn_*_parallelism product must equal it")
     compile_step: str = _f("both", "compile: train | decode | both (train and decode) | prefill (the prompt forward "
-                           "of max_target_length tokens per row into its cache)", ("train", "decode", "both", "prefill"))
+                           "of max_target_length tokens per row into its cache) | serve (the inference core's programs "
+                           "at the serve_* config: the largest decode bucket and prefill chunk)",
+                           ("train", "decode", "both", "prefill", "serve"))
     compile_dump_dir: Optional[str] = _f(None, "compile: have the compiler write its optimised HLO, buffer assignment and "
                                          "memory-usage report (the largest live buffers at the peak) under this directory")
     compile_images_per_sequence: int = _f(0, "compile: train step of a vision model with this many square images in "

@@ -199,7 +199,7 @@ def _validate_vision(cfg: Config, platform: str | None) -> None:
 
 
 def _validate_serve_cache(sv) -> None:
-    """Decode buckets and the prefix cache (k3jax.serve.programs / prefix_cache)."""
+    """Decode buckets and the prefix cache (k3jax.inference.programs / prefix_cache)."""
     b = sv.serve_decode_buckets
     if b and (not all(isinstance(x, int) and 1 <= x <= sv.serve_max_batch for x in b) or b != sorted(set(b))
               or b[-1] != sv.serve_max_batch):

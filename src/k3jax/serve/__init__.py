@@ -12,7 +12,6 @@ drains: no new connections, running and queued requests finish, exit 0.
 Several processes (``enable_distributed=true``, e.g. scripts/local_pod.sh) serve as one: process 0
 runs HTTP and the scheduler and broadcasts each step's inputs, every process runs the step.
 
-programs.py  the slot cache and the compiled decode / prefill-chunk / reset / prefix-copy programs
 prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, LRU)
 media.py     chat image_url parts: data: URIs and allowed http(s) URLs -> processed images, digests
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
@@ -23,7 +22,7 @@ protocol.py  OpenAI request / response bodies
 api.py       the FastAPI routes
 metrics.py   Prometheus metrics
 pod.py       steps as fixed-size vectors, broadcast from process 0; the other processes' loop
-See docs/serving.md.
+The device side (slot cache, compiled programs, sampling) is k3jax.inference. See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def build(cfg, mesh=None):
     from k3jax.serve.api import create_app
     from k3jax.serve.engine import Engine
     from k3jax.serve.metrics import ServeMetrics
-    from k3jax.serve.programs import Programs
+    from k3jax.inference.programs import Programs
     from k3jax.sharding import make_mesh
     from k3jax.state import load_model
 
@@ -59,6 +58,7 @@ def build(cfg, mesh=None):
                         prefix_block=(sv.serve_prefix_block or sv.serve_prefill_chunk) if sv.serve_prefix_cache_bytes else 0,
                         media=(images["pcfg"], images["pad_id"]) if images else None,
                         prefill_rows=sv.serve_prefill_batch, decode_steps=sv.serve_decode_steps)
+    programs.warm()     # every bucket now: no request waits on a compile
     engine = Engine(programs, tok, max_queue=sv.serve_max_queue, stop_ids=(tok.eos_id, tok.im_end_id),
                     prefix_cache_bytes=sv.serve_prefix_cache_bytes, max_decode_wait=sv.serve_max_decode_wait)
     metrics = ServeMetrics(engine.stats)

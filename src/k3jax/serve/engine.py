@@ -53,7 +53,7 @@ from typing import Callable
 
 import numpy as np
 
-from k3jax.sampling import pack_ban
+from k3jax.inference.sampling import pack_ban
 from k3jax.serve.pod import Link, Step, Wire
 from k3jax.serve.prefix_cache import PrefixCache
 from k3jax.serve.text import TextState
@@ -154,6 +154,7 @@ class Engine:
         self.first_token_log: collections.deque = collections.deque(maxlen=10_000)
         self.finished_log: collections.deque = collections.deque(maxlen=10_000)   # (id, reason, tokens)
         self.error: BaseException | None = None
+        self._weights = None                   # (params, rest, done event, result) waiting to be applied
         # Prefix cache (host index; the pieces live in programs.store). Off without its programs:
         # serve_prefix_cache_bytes = 0, or a block as long as the context.
         self.prefix = (PrefixCache(prefix_cache_bytes, programs.prefix_block, programs.block_bytes,
@@ -183,6 +184,44 @@ class Engine:
         with self._cv:
             req.cancelled = True
             self._cv.notify()
+
+    def update_weights(self, params, rest=None, timeout: float | None = None) -> int:
+        """New parameters for every later step (``Programs.update_weights``: no recompilation),
+        applied on the engine thread between two iterations (tokens a running request generates
+        after it come from the new weights); the prefix cache moves to the new weight version, so
+        nothing computed with the old weights is restored. Blocks until applied -> the new
+        version. A multi-process server's other processes hold their own programs: there each
+        process updates its programs in the same step, which this single-process call cannot do."""
+        if self.link.multi:
+            raise RuntimeError("update_weights on a multi-process server: every process must update its own "
+                               "programs in the same step; call Programs.update_weights on each")
+        done, box = threading.Event(), {}
+        with self._cv:
+            self._weights = (params, rest, done, box)
+            self._cv.notify()
+        if self._thread is None or not self._thread.is_alive():
+            self._apply_weights()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the engine did not apply the weights within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["version"]
+
+    def _apply_weights(self) -> None:
+        with self._cv:
+            pending, self._weights = self._weights, None
+        if pending is None:
+            return
+        params, rest, done, box = pending
+        try:
+            box["version"] = version = self.p.update_weights(params, rest)
+            if self.prefix is not None:
+                for key in self.prefix.set_version(version):
+                    self._run_step(Step.ints("drop", key))
+        except Exception as e:     # noqa: BLE001 - a wrong tree goes back to the caller, the engine goes on
+            box["error"] = e
+        finally:
+            done.set()
 
     def stats(self) -> dict:
         with self._cv:
@@ -217,6 +256,8 @@ class Engine:
             self.link.send(Step("stop"))   # followers (other processes) stop
 
     def _iterate(self) -> bool:
+        if self._weights is not None:
+            self._apply_weights()
         with self._cv:
             freed = self._drop_cancelled()
             admitted = self._admit()
@@ -409,7 +450,7 @@ class Engine:
             targets = r.prompt[start + 1:start + len(piece) + 1]
             *sampling, ban = self._sampling(r)
             out = self._run_step(Step.prefill_lp(r.slot, piece, start, *sampling, targets, ban=ban))
-            for t, lp, ids, lps in zip(targets, *out[4:]):
+            for t, lp, ids, lps in zip(targets, *out[4:7]):
                 r.prompt_entries.append(self._logprob_entry(t, lp, ids, lps, r.prompt_logprobs))
         r.prefilled += len(piece)
         self._chunk_done(r, out)
@@ -457,7 +498,7 @@ class Engine:
         out = self._run_step(Step.decode(tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban,
                                          kind="decode_steps" if many else "decode"))
         for j in range(k if many else 1):
-            tok, lp, top_ids, top_lp = (o[j] for o in out) if many else out
+            tok, lp, top_ids, top_lp, _ = (o[j] for o in out) if many else out
             for r in rows:
                 if not r.done:
                     self._accept(r, tok[r.slot], lp[r.slot], top_ids[r.slot], top_lp[r.slot])

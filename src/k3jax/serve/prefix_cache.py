@@ -5,8 +5,9 @@ recurrent state and a short-conv tail. The KDA state after a prefix cannot be re
 MLA rows, so the cache keeps:
 
 - MLA rows per block of ``block`` tokens, keyed by a hash chain: a block's key hashes the previous
-  block's key, the block's token ids and the digests of the media (images, ...) whose placeholder
-  tokens fall in the block, so equal keys mean equal prefixes up to the block's end;
+  block's key (the first block's: the weights' version), the block's token ids and the digests of
+  the media (images, ...) whose placeholder tokens fall in the block, so equal keys mean equal
+  prefixes up to the block's end under the same weights;
 - a KDA/conv snapshot ("entry") at one point per cached prompt: the end of its last full block
   before its last token (a prompt of exactly k blocks keeps k - 1, so the same prompt sent again
   still has a token left to prefill, whose logits give the first sampled token).
@@ -29,10 +30,12 @@ import itertools
 import numpy as np
 
 
-def chain_keys(tokens, block: int, n_blocks: int, media=()) -> list[bytes]:
+def chain_keys(tokens, block: int, n_blocks: int, media=(), version: int = 0) -> list[bytes]:
     """Keys of the first ``n_blocks`` blocks of ``tokens``. ``media``: (token position, digest
-    bytes) pairs; a block's key covers the digests whose position is inside it."""
-    keys, prev = [], b""
+    bytes) pairs; a block's key covers the digests whose position is inside it. ``version``: the
+    weights' version (``Programs.weight_version``), which starts the chain, so a prefix computed
+    with other weights never matches."""
+    keys, prev = [], int(version).to_bytes(8, "little")
     for i in range(n_blocks):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(np.asarray(tokens[i * block:(i + 1) * block], np.int64).tobytes())
@@ -70,6 +73,16 @@ class PrefixCache:
         self.entries: collections.OrderedDict[bytes, tuple[int, list[bytes]]] = collections.OrderedDict()
         self.bytes = 0
         self._ids = itertools.count()
+        self.version = 0
+
+    def set_version(self, version: int) -> list[int]:
+        """The weights changed: later keys chain from ``version``, so no entry kept so far can
+        match again; they are all dropped -> the store ids freed."""
+        self.version = version
+        freed = []
+        while self.entries:
+            freed += self._evict()
+        return freed
 
     def usable_blocks(self, n_tokens: int) -> int:
         """Blocks a prompt of n_tokens can restore or save: full blocks before its last token."""
@@ -77,7 +90,7 @@ class PrefixCache:
 
     def lookup(self, prompt, media=()) -> Match | None:
         """The longest cached prefix of ``prompt`` that ends at an entry (marked most recently used)."""
-        keys = chain_keys(prompt, self.block, self.usable_blocks(len(prompt)), media)
+        keys = chain_keys(prompt, self.block, self.usable_blocks(len(prompt)), media, self.version)
         for n in range(len(keys), 0, -1):
             if keys[n - 1] in self.entries:
                 self.entries.move_to_end(keys[n - 1])
@@ -91,7 +104,7 @@ class PrefixCache:
         n = self.usable_blocks(len(prompt))
         if n == 0 or n * self.block <= restored:
             return None
-        keys = chain_keys(prompt, self.block, n, media)
+        keys = chain_keys(prompt, self.block, n, media, self.version)
         if keys[-1] in self.entries:
             self.entries.move_to_end(keys[-1])
             return None

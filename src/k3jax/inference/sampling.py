@@ -57,6 +57,14 @@ def sample_rows(logits, keys, temperature, top_k, top_p, ban=None):
     softmax(logits / temperature). Tokens tied with the cut-off value stay. The full-vocabulary
     sort runs only when some row samples (a ``lax.cond``), so an all-greedy batch pays an argmax.
     """
+    return sample_rows_lp(logits, keys, temperature, top_k, top_p, ban)[0]
+
+
+def sample_rows_lp(logits, keys, temperature, top_k, top_p, ban=None):
+    """``sample_rows`` -> (token ids [B] int32, behaviour log-probabilities [B] f32): each token's
+    log-probability under the distribution it was actually drawn from, softmax(logits /
+    temperature) over the tokens top-k, top-p and the ban left, renormalised (what an RL trainer
+    needs as pi_rollout). A greedy row draws from a point mass: 0."""
     if ban is not None:
         rows, token = jnp.arange(logits.shape[0]), jnp.where(ban >= 0, ban & ((1 << BAN_ID_BITS) - 1), 0)
         banned = (ban >= 0) & (ban >> BAN_ID_BITS == 0)
@@ -69,15 +77,20 @@ def sample_rows(logits, keys, temperature, top_k, top_p, ban=None):
         x = logits / jnp.where(hot, temperature, 1.0)[:, None]
         srt = -jnp.sort(-x, axis=-1)                                            # descending
         k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-        srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, -jnp.inf)    # top-k
+        in_k = jnp.arange(v)[None, :] < k[:, None]
+        srt = jnp.where(in_k, srt, -jnp.inf)                                   # top-k
         probs = jax.nn.softmax(srt, axis=-1)
-        keep = jnp.cumsum(probs, -1) - probs < top_p[:, None]                  # always keeps the top token
+        # always keeps the top token; ``in_k`` too, since past the k-th the sum before a token can
+        # round to just under 1 (then the cut-off would be -inf and top-k would keep everything)
+        keep = (jnp.cumsum(probs, -1) - probs < top_p[:, None]) & in_k
         cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), -1, keepdims=True)
         x = jnp.where(x < cutoff, -jnp.inf, x)
-        return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        tok = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        lp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
+        return tok, lp
 
-    drawn = jax.lax.cond(jnp.any(hot), draw, lambda: first)
-    return jnp.where(hot, drawn, first)
+    drawn, lp = jax.lax.cond(jnp.any(hot), draw, lambda: (first, jnp.zeros(first.shape, jnp.float32)))
+    return jnp.where(hot, drawn, first), jnp.where(hot, lp, 0.0)
 
 
 def sample(logits, key, *, greedy: bool, temperature: float, top_k: int, top_p: float):

@@ -48,18 +48,23 @@ on every device, so any process can read them.
 """
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.data.vision_processor import VisionInputError, patch_bucket
-from k3jax.sampling import ban_left, logprobs, sample_rows
+from k3jax.inference.lazy import Lazy
+from k3jax.inference.media_programs import MediaPrograms
+from k3jax.inference.prefix_programs import PrefixPrograms
+from k3jax.inference.sampling import ban_left, logprobs, sample_rows_lp
 from k3jax.sharding import sharding_for
 
 TOP_LOGPROBS = 20   # OpenAI's upper bound for chat top_logprobs (completions allow 5)
 MIN_BUCKET = 32
+MAX_STOP = 8          # stop ids a decode program takes (generate's EOS and end-of-message; -1 pads)
 
 
 def prefill_buckets(chunk: int) -> list[int]:
@@ -93,19 +98,6 @@ def decode_buckets(slots: int, given=None) -> list[int]:
     return out + [slots]
 
 
-def media_buckets(pcfg, length: int) -> list[int]:
-    """Patch counts the server compiles the tower for: ``vision_patch_buckets`` if given, else the
-    powers of two from the processor's smallest bucket up to the first that holds ``length`` merged
-    tokens (a request's images cannot fill more than its context)."""
-    if pcfg.patch_buckets:
-        return list(pcfg.patch_buckets)
-    top = length * pcfg.merge * pcfg.merge
-    out = [pcfg.min_bucket]
-    while out[-1] < top:
-        out.append(out[-1] * 2)
-    return out
-
-
 def _is_spec_leaf(x) -> bool:
     return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
 
@@ -115,17 +107,26 @@ def _keys(seeds, counters):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
-class Programs:
+class Programs(MediaPrograms, PrefixPrograms):
     """The slot cache and the compiled decode / prefill / reset programs of one model.
 
     ``model`` holds the (sharded) weights; ``slots`` = B, ``length`` = S (cache positions per slot).
     Calls take numpy inputs (the same values on every process) and return numpy outputs.
+
+    The parameters are an argument of every program, never baked in: ``update_weights`` puts new
+    ones (e.g. from a training step, in another sharding) in place without recompiling, and bumps
+    ``weight_version``. Each program compiles the first time a call needs it (``compile_s`` sums
+    the seconds), or all at once with ``warm()`` (the server, so no request waits on a compile).
     """
 
     def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0,
-                 media=None, prefill_rows: int = 1, decode_steps: int = 1):
+                 media=None, prefill_rows: int = 1, decode_steps: int = 1, compile_fn=None):
         """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only.
-        ``prefill_rows``: most prompts one prefill step takes (``serve_prefill_batch``)."""
+        ``prefill_rows``: most prompts one prefill step takes (``serve_prefill_batch``).
+        ``compile_fn(lowered) -> compiled``: how a program compiles (default ``lowered.compile()``);
+        with it, ``model`` may be abstract (``jax.ShapeDtypeStruct`` leaves with shardings, e.g. a
+        TPU topology's mesh from a CPU host: ``k3jax.compile``), and then no cache is allocated and
+        only the programs can be used, not the calls."""
         self.mesh, self.slots, self.length = mesh, slots, length
         self.buckets = prefill_buckets(chunk)
         self.row_sizes = row_buckets(prefill_rows, slots)
@@ -135,6 +136,8 @@ class Programs:
         self.prefix_block = prefix_block if 0 < prefix_block < length else 0
         self.gdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.state = (params, rest)
+        self.weight_version = 0
+        self.compile_s = 0.0
         spec = model.cache_spec(slots, length)
         leaves, self._tdef = jax.tree.flatten(spec, is_leaf=_is_spec_leaf)
         self._batch_axis = [axes.index("batch") for _, _, axes in leaves]
@@ -146,65 +149,88 @@ class Programs:
             if not rec and axes[ax + 1:ax + 2] != ("cache_seq",):
                 raise ValueError(f"an MLA cache leaf with axes {axes}: expected cache_seq right after batch")
         self.cache_shardings = [sharding_for(mesh, shape, axes) for shape, _, axes in leaves]
+        self._cache_avals = [jax.ShapeDtypeStruct(shape, dt, sharding=s)
+                             for (shape, dt, _), s in zip(leaves, self.cache_shardings)]
         self.replicated = NamedSharding(mesh, P())
         self._zeros = jax.jit(lambda: [jnp.zeros(s, d) for s, d, _ in leaves], out_shardings=self.cache_shardings)
-        self.cache = self._zeros()
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.state))
+        self.cache = None if abstract else self._zeros()
+        self._compile_fn = compile_fn or (lambda lowered: lowered.compile())
         self._multi = jax.process_count() > 1
-        self.store: dict[int, list] = {}     # prefix cache pieces on device, by the engine's ids
+        self.store: dict[int, list] = {}     # prefix cache pieces on device, by the caller's ids
+        self.dirty: set[int] = set()          # slots a Generator wrote since it last reset them
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        with jax.set_mesh(mesh):
-            self._decode = {n: self._compile(self._decode_fn, self._decode_args(n)) for n in self.decode_sizes}
-            self._prefill = {c: self._compile(self._prefill_fn, self._prefill_args(c)) for c in self.buckets}
-            self._prefill_rows = {r: self._compile(self._prefill_rows_fn, self._prefill_rows_args(r))
-                                  for r in self.row_sizes}
-            self._reset = self._compile(self._reset_fn, [i32], out="cache")
-            self._copy = self._compile(self._copy_fn, [i32, i32], out="cache")
-            c = self.buckets[-1]
-            self._prefill_lp = self._compile(self._prefill_lp_fn, self._prefill_args(c)
-                                             + [jax.ShapeDtypeStruct((c,), jnp.int32)])
-            if self.prefix_block:
-                block = [self._piece(shape, dt, axes, ax, self.prefix_block)
-                         for (shape, dt, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent) if not rec]
-                snap = [self._piece(shape, dt, axes, ax)
-                        for (shape, dt, axes), ax, rec in zip(leaves, self._batch_axis, self._recurrent) if rec]
-                self.block_bytes = sum(x.size * x.dtype.itemsize for x in block)
-                self.state_bytes = sum(x.size * x.dtype.itemsize for x in snap)
-                self._save_block = self._compile(self._save_block_fn, [i32, i32], out=[x.sharding for x in block])
-                self._save_state = self._compile(self._save_state_fn, [i32], out=[x.sharding for x in snap])
-                self._load_block = self._compile(self._load_block_fn, [i32, i32], block, out="cache")
-                self._load_state = self._compile(self._load_state_fn, [i32], snap, out="cache")
-        self.media: dict[int, jax.Array] = {}   # projected image rows on device, by the engine's ids
+        self._decode = Lazy(lambda n: self._compile(self._decode_fn, self._decode_args(n)))
+        self._prefill = Lazy(lambda c: self._compile(self._prefill_fn, self._prefill_args(c)))
+        self._prefill_rows = Lazy(lambda r: self._compile(self._prefill_rows_fn, self._prefill_rows_args(r)))
+        c = self.buckets[-1]
+        self._one = Lazy(lambda name: {
+            "reset": lambda: self._compile(self._reset_fn, [i32], out="cache"),
+            "copy": lambda: self._compile(self._copy_fn, [i32, i32], out="cache"),
+            "prefill_lp": lambda: self._compile(self._prefill_lp_fn, self._prefill_args(c)
+                                                + [jax.ShapeDtypeStruct((c,), jnp.int32)]),
+            **self._prefix_builders(leaves, i32)}[name]())
+        self.media: dict[int, jax.Array] = {}   # projected image rows on device, by the caller's ids
         self.pcfg, self.media_pad = media if media is not None else (None, None)
         if media is not None:
-            self._compile_media(model)
+            self._init_media(model)
 
-    def _compile_media(self, model):
-        from k3jax.multimodal import media_inputs
-        vcfg = model.vision.vision_tower.vcfg
-        self.patch_buckets = media_buckets(self.pcfg, self.length)
-        self.media_rows = self.patch_buckets[-1] // self.pcfg.merge ** 2
-        # images one tower call takes (the pod's wire carries each one's grid): four requests' worth,
-        # or without a per-request limit as many as the largest bucket holds (merge^2 patches each)
-        self.media_items = 4 * self.pcfg.max_images or self.media_rows
-        dtype, d = model.compute_dtype, model.embed_tokens[...].shape[1]
-        feats = jax.ShapeDtypeStruct((self.media_rows, d), dtype, sharding=self.replicated)
-        # the tower's inputs (patches and layout) of the images packed into n patches; the token batch
-        # is only their pads (the rows go to the prompt's pads by order, in prefill_media)
-        self._media_layout = lambda items, n: media_inputs(
-            vcfg, self.pcfg, items, np.full((1, sum(it.tokens for it in items) or 1),
-                                            self.media_pad if items else 0, np.int32), self.media_pad, n)
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        self._tower = {}
-        with jax.set_mesh(self.mesh):
-            for n in self.patch_buckets:
-                mi = self._media_layout([], n)
-                inputs = {"patches": mi.patches, **mi.layout}
-                abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.replicated) for k, v in inputs.items()}
-                fn = jax.jit(self._tower_fn, out_shardings=self.replicated)
-                self._tower[n] = fn.lower(state, abstract).compile()
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)
-            self._prefill_media = {c: self._compile(self._prefill_media_fn, self._prefill_args(c) + [i32], [feats])
-                                   for c in self.buckets}
+    def warm(self) -> float:
+        """Compile every program a server may call (each bucket) -> the seconds it took."""
+        t = self.compile_s
+        for n in self.decode_sizes:
+            self._decode[n]
+        for c in self.buckets:
+            self._prefill[c]
+        for r in self.row_sizes:
+            self._prefill_rows[r]
+        for name in ("reset", "copy", "prefill_lp") + (("save_block", "save_state", "load_block", "load_state")
+                                                       if self.prefix_block else ()):
+            self._one[name]
+        if self.pcfg is not None:
+            self._warm_media()
+        return self.compile_s - t
+
+    def program(self, kind: str, key=None):
+        """The compiled program ``kind`` ("decode", "prefill", "prefill_rows" with its bucket as
+        ``key``; "reset", "copy", "prefill_lp" and the prefix moves without), compiling it if
+        needed (``k3jax.compile`` reads their memory and cost)."""
+        if kind in ("decode", "prefill", "prefill_rows"):
+            return {"decode": self._decode, "prefill": self._prefill, "prefill_rows": self._prefill_rows}[kind][key]
+        return self._one[kind]
+
+    def update_weights(self, params, rest=None) -> int:
+        """Run every later call with ``params`` (an ``nnx.State`` of the model's ``nnx.Param``
+        leaves, as ``nnx.split(model, nnx.Param, ...)`` gives them) and, if given, ``rest`` (the
+        other state: router biases...). A leaf already in the programs' sharding is used as it is
+        (no copy); one in another layout (a training step's fsdp sharding) is moved with
+        ``jax.device_put``, one of another dtype cast first. Nothing recompiles: the parameters
+        are an argument of every program. -> the new ``weight_version``."""
+        new = [self._conform("params", params, self.state[0])]
+        new.append(self.state[1] if rest is None else self._conform("rest", rest, self.state[1]))
+        self.state = tuple(new)
+        self.weight_version += 1
+        return self.weight_version
+
+    @staticmethod
+    def _conform(what, new, old):
+        got, want = jax.tree_util.tree_flatten_with_path(new)[0], jax.tree_util.tree_flatten_with_path(old)[0]
+        if [p for p, _ in got] != [p for p, _ in want]:
+            missing = {jax.tree_util.keystr(p) for p, _ in want} - {jax.tree_util.keystr(p) for p, _ in got}
+            extra = {jax.tree_util.keystr(p) for p, _ in got} - {jax.tree_util.keystr(p) for p, _ in want}
+            raise ValueError(f"update_weights: {what} do not match the model's: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(extra)[:5]}")
+        out = []
+        for (path, x), (_, o) in zip(got, want):
+            if tuple(x.shape) != tuple(o.shape):
+                raise ValueError(f"update_weights: {what}{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, "
+                                 f"the model's is {tuple(o.shape)}")
+            if x.dtype != o.dtype:
+                x = x.astype(o.dtype)
+            if getattr(x, "sharding", None) != o.sharding:
+                x = jax.device_put(x, o.sharding)
+            out.append(x)
+        return jax.tree.unflatten(jax.tree.structure(old), out)
 
     def _piece(self, shape, dtype, axes, ax, block: int = 0):
         """Abstract array of one slot's rows of a cache leaf (``block`` > 0: ``block`` positions)."""
@@ -251,7 +277,9 @@ class Programs:
         return out
 
     def _sample(self, logits, seeds, counters, temperature, top_k, top_p, ban):
-        return sample_rows(logits, _keys(seeds, counters), temperature, top_k, top_p, ban)
+        """-> the step's outputs: (tokens, logprob, top ids, top logprobs, behaviour logprob)."""
+        tok, blp = sample_rows_lp(logits, _keys(seeds, counters), temperature, top_k, top_p, ban)
+        return (tok, *logprobs(logits, tok, self._k(logits)), blp)
 
     def _decode_rows(self, state, rows, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         """One decode step on gathered rows -> ((tokens, logprob, top ids, top logprobs), new rows)."""
@@ -260,15 +288,17 @@ class Programs:
         tree = jax.tree.unflatten(self._tdef, rows)
         logits, new = self._model(state).decode_step(tokens, tree, write, jnp.zeros((n,), jnp.int32))
         new = self._rows(jax.tree.leaves(new), rows, active)
-        tok = self._sample(logits, seeds, counters, temperature, top_k, top_p, ban)
-        return (tok, *logprobs(logits, tok, self._k(logits))), new
+        out = self._sample(logits, seeds, counters, temperature, top_k, top_p, ban)
+        return out, new
 
     def _decode_fn(self, state, cache, idx, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban,
-                   steps):
+                   steps, stop):
         """``steps`` (<= K) decode steps of the N slots ``idx`` (sorted; all B slots in order for the
         largest bucket): step j decodes the token step j - 1 sampled, at the next position, with the
         next key -> outputs [K, N, ...] (those past ``steps`` are zeros), the new cache. The rows are
-        gathered once before the steps and scattered back once after them."""
+        gathered once before the steps and scattered back once after them. A row that samples one of
+        ``stop`` [MAX_STOP] (-1 = none) stops there: its later steps leave its cache as it was, so
+        the slot holds exactly its tokens (the stop token itself not yet fed) and can be continued."""
         k = self.steps
         rows = self._gather(cache, idx)
         shapes = jax.eval_shape(lambda: self._decode_rows(state, rows, tokens, pos, active, temperature, top_k,
@@ -276,14 +306,17 @@ class Programs:
         outs = [jnp.zeros((k, *o.shape), o.dtype) for o in shapes]
 
         def step(j, carry):
-            rows, tok, at, ctr, ban, outs = carry
-            out, rows = self._decode_rows(state, rows, tok, at, active, temperature, top_k, top_p, seeds, ctr, ban)
+            rows, tok, at, ctr, ban, live, taken, outs = carry
+            out, rows = self._decode_rows(state, rows, tok, at, live, temperature, top_k, top_p, seeds, ctr, ban)
             outs = [jax.lax.dynamic_update_index_in_dim(b, o, j, 0) for b, o in zip(outs, out)]
-            return rows, out[0], at + 1, ctr + 1, ban_left(ban, out[0]), outs
+            taken = taken + live
+            live = live & ~jnp.isin(out[0], stop)
+            return rows, out[0], at + 1, ctr + 1, ban_left(ban, out[0]), live, taken, outs
 
-        rows, *_, outs = jax.lax.fori_loop(0, steps, step, (rows, tokens, pos, counters, ban, outs))
+        carry = (rows, tokens, pos, counters, ban, active, jnp.zeros_like(pos), outs)
+        rows, *_, taken, outs = jax.lax.fori_loop(0, steps, step, carry)
         j = jnp.arange(k)
-        write = jnp.where(active[:, None] & (j < steps), pos[:, None] + j, self.length)
+        write = jnp.where(active[:, None] & (j < taken[:, None]), pos[:, None] + j, self.length)
         return outs, self._scatter(cache, idx, rows, write)
 
     def _prefill_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter, ban):
@@ -292,8 +325,8 @@ class Programs:
                                                 length[None])
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
-        tok = self._sample(logits, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
-        return (tok, *logprobs(logits, tok, self._k(logits))), cache
+        out = self._sample(logits, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
+        return out, cache
 
     def _prefill_rows_fn(self, state, cache, idx, tokens, pos, length, active, temperature, top_k, top_p, seeds,
                          counters, ban):
@@ -301,35 +334,11 @@ class Programs:
         ``active`` (padding) keep every cache leaf as it was."""
         rows = [jnp.take(x, idx, axis=ax) for x, ax in zip(cache, self._batch_axis)]
         logits, new = self._model(state).extend(tokens, jax.tree.unflatten(self._tdef, rows), pos, length)
-        out = []
+        cache_out = []
         for x, v, old, ax in zip(cache, jax.tree.leaves(new), rows, self._batch_axis):
             keep = active.reshape([-1 if a == ax else 1 for a in range(v.ndim)])
-            out.append(x.at[(slice(None),) * ax + (idx,)].set(jnp.where(keep, v.astype(x.dtype), old)))
-        tok = self._sample(logits, seeds, counters, temperature, top_k, top_p, ban)
-        return (tok, *logprobs(logits, tok, self._k(logits))), out
-
-    def _tower_fn(self, state, inputs):
-        """One request's packed images -> its projected rows [media_rows, D] (zeros past its count)."""
-        m = self._model(state)
-        feats = m.vision(inputs["patches"], inputs)
-        return jnp.pad(feats.astype(m.compute_dtype), ((0, self.media_rows - feats.shape[0]), (0, 0)))
-
-    def _prefill_media_fn(self, state, cache, slot, tokens, pos, length, temperature, top_k, top_p, seed, counter,
-                          ban, first, feats):
-        """``_prefill_fn`` with image rows at the chunk's pads: the k-th pad of the chunk takes row
-        first + k of ``feats`` (the chunk's embeddings go to ``model.extend`` spliced)."""
-        m = self._model(state)
-        toks = tokens[None]
-        x = m.embed(toks)
-        is_pad = (toks == self.media_pad) & (jnp.arange(toks.shape[1]) < length)[None]
-        rows = jnp.clip(first + jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[0] - 1)
-        x = jnp.where(is_pad[..., None], jnp.take(feats, rows, axis=0).astype(x.dtype), x)
-        row = [jax.lax.dynamic_slice_in_dim(c, slot, 1, ax) for c, ax in zip(cache, self._batch_axis)]
-        logits, new = m.extend(toks, jax.tree.unflatten(self._tdef, row), pos[None], length[None], embeddings=x)
-        cache = [jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, ax)
-                 for c, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
-        tok = self._sample(logits, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
-        return (tok, *logprobs(logits, tok, self._k(logits))), cache
+            cache_out.append(x.at[(slice(None),) * ax + (idx,)].set(jnp.where(keep, v.astype(x.dtype), old)))
+        return self._sample(logits, seeds, counters, temperature, top_k, top_p, ban), cache_out
 
     def _reset_fn(self, state, cache, slot):
         del state
@@ -347,41 +356,13 @@ class Programs:
         cache = [jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, ax)
                  for x, r, ax in zip(cache, jax.tree.leaves(new), self._batch_axis)]
         last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, 0)
-        tok = self._sample(last, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
-        return (tok, *logprobs(last, tok, self._k(last)), *logprobs(logits, targets, self._k(logits))), cache
+        out = self._sample(last, seed[None], counter[None], temperature[None], top_k[None], top_p[None], ban[None])
+        return (*out[:4], *logprobs(logits, targets, self._k(logits)), out[4]), cache
 
     def _copy_fn(self, state, cache, src, dst):
         del state
         return [jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, ax), dst, ax)
                 for x, ax in zip(cache, self._batch_axis)]
-
-    def _save_block_fn(self, state, cache, slot, start):
-        del state
-        return [jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(x, slot, 1, ax), start, self.prefix_block,
-                                             ax + 1)
-                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent) if not rec]
-
-    def _save_state_fn(self, state, cache, slot):
-        del state
-        return [jax.lax.dynamic_slice_in_dim(x, slot, 1, ax)
-                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent) if rec]
-
-    def _load_block_fn(self, state, cache, slot, start, *block):
-        del state
-        block, out = iter(block), []
-        for x, ax, rec in zip(cache, self._batch_axis, self._recurrent):
-            if not rec:
-                at = [0] * x.ndim
-                at[ax], at[ax + 1] = slot, start
-                x = jax.lax.dynamic_update_slice(x, next(block).astype(x.dtype), at)
-            out.append(x)
-        return out
-
-    def _load_state_fn(self, state, cache, slot, *snap):
-        del state
-        snap = iter(snap)
-        return [jax.lax.dynamic_update_slice_in_dim(x, next(snap).astype(x.dtype), slot, ax) if rec else x
-                for x, ax, rec in zip(cache, self._batch_axis, self._recurrent)]
 
     @staticmethod
     def _k(logits):
@@ -392,7 +373,7 @@ class Programs:
         i32, f32 = jnp.int32, jnp.float32
         return ([jax.ShapeDtypeStruct((n,), dt) for dt in (i32, i32, i32, jnp.bool_, f32, i32, f32, jnp.uint32, i32,
                                                            i32)]
-                + [jax.ShapeDtypeStruct((), i32)])
+                + [jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((MAX_STOP,), i32)])
 
     def _prefill_rows_args(self, r):
         i32, f32, c = jnp.int32, jnp.float32, self.buckets[-1]
@@ -409,8 +390,7 @@ class Programs:
         """AOT-compile fn(state, cache, *host_args, *dev_args). ``out``: "step" (replicated host
         outputs, the new cache; the cache is donated), "cache" (the new cache, donated) or a list of
         shardings (arrays read from the cache, which is not donated)."""
-        abstract_cache = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                          for x, s in zip(self.cache, self.cache_shardings)]
+        t0 = time.perf_counter()
         host = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in host_args]
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         # Host outputs replicated (any process reads its own copy whole); the cache keeps its layout.
@@ -420,7 +400,10 @@ class Programs:
             jitted = jax.jit(fn, donate_argnums=1, out_shardings=self.cache_shardings)
         else:
             jitted = jax.jit(fn, out_shardings=out)
-        return jitted.lower(state, abstract_cache, *host, *dev_args).compile()
+        with jax.set_mesh(self.mesh):
+            compiled = self._compile_fn(jitted.lower(state, self._cache_avals, *host, *dev_args))
+        self.compile_s += time.perf_counter() - t0
+        return compiled
 
     # -- calls (numpy in, numpy out) ------------------------------------------------------------
     def _put(self, x):
@@ -436,24 +419,36 @@ class Programs:
     def decode(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
         """One decode step for the active slots; every argument is [B]. Runs the smallest decode
         bucket that holds the active slots (padded with idle ones). -> (tokens, logprob, top ids,
-        top logprobs) as numpy arrays over the B slots (rows of idle slots are meaningless)."""
+        top logprobs, behaviour logprob) as numpy arrays over the B slots (rows of idle slots are
+        meaningless)."""
         return tuple(o[0] for o in self._run_decode(1, tokens, pos, active, temperature, top_k, top_p, seeds,
                                                     counters, ban))
 
-    def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
-        """``decode`` for ``steps`` steps in one program (the caller makes sure each active row has
-        that many positions left) -> the same outputs with a leading [K] axis."""
-        return self._run_decode(self.steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban)
+    def decode_steps(self, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban, steps=None,
+                     stop=()):
+        """``decode`` for ``steps`` (default and at most K = ``decode_steps``) steps in one program
+        (the caller makes sure each active row has that many positions left) -> the same outputs
+        with a leading [steps] axis. A row that samples a token of ``stop`` (at most ``MAX_STOP``
+        ids) stops there: its outputs after it are meaningless and its cache holds the tokens up to
+        the one before the stop token."""
+        steps = self.steps if steps is None else steps
+        if not 1 <= steps <= self.steps:
+            raise ValueError(f"decode_steps: {steps} steps, the programs run 1 to {self.steps}")
+        return self._run_decode(steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban, stop)
 
-    def _run_decode(self, steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban):
+    def _run_decode(self, steps, tokens, pos, active, temperature, top_k, top_p, seeds, counters, ban, stop=()):
+        if len(stop) > MAX_STOP:
+            raise ValueError(f"{len(stop)} stop ids; the decode programs take at most {MAX_STOP}")
         active = np.asarray(active, bool)
         act = np.flatnonzero(active)
         n = next(b for b in self.decode_sizes if b >= len(act))
         idx = np.sort(np.concatenate([act, np.flatnonzero(~active)[:n - len(act)]])).astype(np.int32)
         args = [self._put(np.asarray(a)[idx]) for a in (tokens, pos, active, temperature, top_k, top_p, seeds,
                                                         counters, ban)]
+        stops = np.full(MAX_STOP, -1, np.int32)
+        stops[:len(stop)] = list(stop)
         out, self.cache = self._decode[n](self.state, self.cache, self._put(idx), *args,
-                                          self._put(np.int32(steps)))
+                                          self._put(np.int32(steps)), self._put(stops))
         full = []
         for o in out:
             o = self._get(o)[:steps]
@@ -503,36 +498,6 @@ class Programs:
             (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (ban, np.int32),
             *((e, np.int32) for e in extra))]
 
-    def vision(self, key: int, items):
-        """Run the tower on one request's images (``MediaItem``s) and keep their rows as ``key``. Over
-        the largest patch bucket is a VisionInputError (the HTTP layer checks first: ``fits``)."""
-        n = sum(len(it.patches) for it in items)
-        if not self.fits(items):
-            raise VisionInputError(f"the images make {n} patches, over the largest compiled bucket "
-                                   f"{self.patch_buckets[-1]}")
-        mi = self._media_layout(list(items), self.media_bucket(items))
-        inputs = {k: self._put(v) for k, v in {"patches": mi.patches, **mi.layout}.items()}
-        self.media[key] = self._tower[len(mi.patches)](self.state, inputs)
-
-    def media_bucket(self, items) -> int:
-        """The tower bucket the packed patches of ``items`` take."""
-        return patch_bucket(sum(len(it.patches) for it in items), self.pcfg)
-
-    def fits(self, items) -> bool:
-        """The images' packed patches fit a compiled tower bucket."""
-        n = sum(len(it.patches) for it in items)
-        return n <= self.patch_buckets[-1] and patch_bucket(n, self.pcfg) in self._tower
-
-    def prefill_media(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, key, first):
-        """``prefill`` of a chunk holding image pads: pad k of the chunk takes row first + k of the
-        rows ``vision`` kept as ``key``."""
-        c, args = self._chunk_args(slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, first)
-        out, self.cache = self._prefill_media[c](self.state, self.cache, *args, self.media[key])
-        return tuple(self._get(o)[0] for o in out)
-
-    def drop_media(self, key: int):
-        self.media.pop(key, None)
-
     def prefill_lp(self, slot, tokens, pos, temperature, top_k, top_p, seed, counter, ban, targets):
         """``prefill`` in the largest chunk bucket that also returns, per token of the chunk, the
         log-probability of the next prompt token (``targets``) and the top ``TOP_LOGPROBS``
@@ -544,39 +509,22 @@ class Programs:
             (slot, np.int32), (padded, np.int32), (pos, np.int32), (n, np.int32), (temperature, np.float32),
             (top_k, np.int32), (top_p, np.float32), (seed, np.uint32), (counter, np.int32), (ban, np.int32),
             (tgt, np.int32))]
-        out, self.cache = self._prefill_lp(self.state, self.cache, *args)
+        out, self.cache = self._one["prefill_lp"](self.state, self.cache, *args)
         out = [self._get(o) for o in out]
-        return (*(o[0] for o in out[:4]), *(o[:n] for o in out[4:]))
+        return (*(o[0] for o in out[:4]), *(o[:n] for o in out[4:7]), out[7][0])
 
     def copy(self, src: int, dst: int):
         """Slot ``dst``'s rows of every cache leaf := slot ``src``'s (the copies of an n > 1 request)."""
-        self.cache = self._copy(self.state, self.cache, *self._ints(src, dst))
+        self.cache = self._one["copy"](self.state, self.cache, *self._ints(src, dst))
 
     def reset(self, slot: int):
         """Zero slot ``slot``'s rows of every cache leaf."""
-        self.cache = self._reset(self.state, self.cache, self._put(np.asarray(slot, np.int32)))
+        self.cache = self._one["reset"](self.state, self.cache, self._put(np.asarray(slot, np.int32)))
 
     def row(self, slot: int):
         """Slot ``slot``'s cache rows as numpy arrays (tests: a freed slot is all zeros)."""
         return [np.take(np.asarray(jax.device_get(x)), slot, axis=ax) for x, ax in zip(self.cache, self._batch_axis)]
 
     # -- the prefix cache's pieces (ids chosen by the engine, the same on every process) ---------
-    def save_block(self, slot: int, start: int, key: int):
-        """Keep slot ``slot``'s MLA rows of positions start .. start + prefix_block as ``key``."""
-        self.store[key] = self._save_block(self.state, self.cache, *self._ints(slot, start))
-
-    def save_state(self, slot: int, key: int):
-        """Keep slot ``slot``'s KDA recurrent and conv state as ``key``."""
-        self.store[key] = self._save_state(self.state, self.cache, *self._ints(slot))
-
-    def load_block(self, slot: int, start: int, key: int):
-        self.cache = self._load_block(self.state, self.cache, *self._ints(slot, start), *self.store[key])
-
-    def load_state(self, slot: int, key: int):
-        self.cache = self._load_state(self.state, self.cache, *self._ints(slot), *self.store[key])
-
-    def drop(self, key: int):
-        del self.store[key]
-
     def _ints(self, *xs):
         return [self._put(np.asarray(x, np.int32)) for x in xs]
