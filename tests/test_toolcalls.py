@@ -358,6 +358,26 @@ def test_http_400s(scripted, extra, param):
         assert "'launch'" in e.value.body["message"]
 
 
+def test_http_a_tool_message_must_answer_a_call(scripted):
+    """A ``tool`` message whose tool_call_id no earlier assistant tool_calls made is a 400 naming
+    it (OpenAI's rule); one that answers a call is accepted."""
+    s = scripted
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for msgs, bad in [([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_9", "content": "1"}],
+                       "call_9"),
+                      ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_2", "content": "1"}], "call_2")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            s.client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        assert e.value.body["param"] == "messages" and f"'{bad}'" in e.value.body["message"]
+        assert "messages[1]" in e.value.body["message"] or "messages[2]" in e.value.body["message"]
+    s.engine.script, s.engine.finish = s.tok.encode("sunny"), "stop"
+    ok = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    assert s.client.chat.completions.create(model="m", messages=ok, tools=TOOLS).choices[0].finish_reason == "stop"
+    assert s.engine.requests[-1].prompt == chat_template.chat_ids(s.tok, ok, tools=TOOLS)
+
+
 def test_http_harmless_fields_are_ignored(scripted):
     s = scripted
     s.engine.script, s.engine.finish = s.tok.encode("fine"), "length"

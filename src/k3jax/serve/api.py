@@ -133,6 +133,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         proto.check_unsupported(body, allow=("response_format",) if k3 else ())
         if not body.messages:
             raise proto.ApiError(400, "messages: must contain at least one message", param="messages")
+        proto.check_tool_messages(body.messages)
         choice, name, names = proto.tool_choice(body)
         if choice in ("required", "named") and grammar is None and not k3:
             raise proto.ApiError(400, f"tool_choice={body.tool_choice!r}: this model's tokenizer has no tool-call "

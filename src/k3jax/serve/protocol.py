@@ -119,6 +119,22 @@ def check_unsupported(req: _Common, allow: tuple[str, ...] = ()) -> None:
                            "remove it", param=field, code="unsupported_parameter")
 
 
+def check_tool_messages(messages: list[dict]) -> None:
+    """Each ``tool`` message answers a call an earlier assistant message made (its
+    ``tool_call_id`` is one of their ``tool_calls`` ids), as OpenAI requires: otherwise a 400
+    naming the message and the id."""
+    ids: set = set()
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            ids |= {c.get("id") for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+        elif m.get("role") == "tool":
+            got = m.get("tool_call_id")
+            if got is None or got not in ids:
+                raise ApiError(400, f"messages[{i}]: a 'tool' message must answer a preceding assistant message's "
+                                    f"tool_calls; tool_call_id {got!r} is not one of their ids "
+                                    f"{sorted(map(str, ids)) or '(none)'}", param="messages")
+
+
 def tool_choice(req: ChatRequest) -> tuple[str, str | None, list[str]]:
     """-> (mode: "none" | "auto" | "required" | "named", the named function or None, the names of
     the request's tools). OpenAI's default: "auto" with tools, "none" without."""
