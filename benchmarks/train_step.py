@@ -61,7 +61,8 @@ from k3jax.optim.muon import newton_schulz_flops_per_step  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
 from k3jax.feed import host_feed  # noqa: E402
-from k3jax.step import data_iterator, jit_train_step  # noqa: E402
+from k3jax.data.iterator import data_iterator  # noqa: E402
+from k3jax.step import jit_train_step  # noqa: E402
 
 # The training settings of each row. tiny/small: sizes a 2-core CPU steps in well under a second
 # (tiny) / a few seconds (small) while matrix work still dominates small; deepseek3-tiny: MaxText's.

@@ -31,7 +31,7 @@ from k3jax import model as M  # noqa: E402
 from k3jax.data.chat_template import chat_ids  # noqa: E402
 from k3jax.data.vision_processor import from_config, process_image  # noqa: E402
 from k3jax.inference.batch_prefill import left_pad, prefill  # noqa: E402
-from k3jax.multimodal import media_inputs, media_token_ids  # noqa: E402
+from k3jax.data.media import media_inputs, media_token_ids  # noqa: E402
 from k3jax.runtime import load_tokenizer  # noqa: E402
 
 TEXT_CFG = ["model_name=tiny"]

@@ -121,7 +121,7 @@ def captions(model, tok, pcfg, image_paths: list[str], max_new_tokens: int = 10,
     from k3jax.data.chat_template import render
     from k3jax.data.vision_processor import process_image
     from k3jax.inference.generate import generate
-    from k3jax.multimodal import media_token_ids, read_image
+    from k3jax.data.media import media_token_ids, read_image
     pad = media_token_ids(tok)[2]
     items = [process_image(read_image(p), pcfg) for p in image_paths]
     prompts = [render(tok, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\n" + QUESTION}]}],

@@ -153,7 +153,8 @@ def reference(store):
     from k3jax.feed import token_sharding
     from k3jax.sharding import make_mesh
     from k3jax.state import init_state
-    from k3jax.step import check_batch, data_iterator
+    from k3jax.data.iterator import data_iterator
+    from k3jax.step import check_batch
     from k3jax.train import compile_train_step
     cfg = C.load(C.REPO_CONFIGS / "base.yml", MH + CP + store.args + [f"steps={STEPS}"])
     from k3jax.runtime import load_tokenizer

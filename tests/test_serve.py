@@ -19,7 +19,7 @@ from flax import nnx
 from k3jax import config as C
 from k3jax.data.chat_template import chat_ids, render
 from k3jax.inference.generate import generate
-from k3jax.serve import build
+from k3jax.serve.main import build
 from k3jax.serve.api import create_app
 from k3jax.sharding import make_mesh
 

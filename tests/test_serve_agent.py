@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from k3jax import config as C
-from k3jax.serve import build
+from k3jax.serve.main import build
 from k3jax.sharding import make_mesh
 
 from helpers import REPO

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from k3jax import config as C
-from k3jax.serve import build
+from k3jax.serve.main import build
 from k3jax.serve.api import create_app
 from k3jax.serve.pod import Step, Wire
 from k3jax.sharding import make_mesh
@@ -148,7 +148,7 @@ def _forward_logprobs(vs, *images: bytes) -> np.ndarray:
 
     from k3jax.data.chat_template import chat_ids
     from k3jax.data.vision_processor import from_config, process_image
-    from k3jax.multimodal import media_inputs
+    from k3jax.data.media import media_inputs
     pcfg = from_config(vs.cfg)
     items = [process_image(Image.open(io.BytesIO(d)), pcfg) for d in images]
     content = [{"type": "image"}] * len(items) + [{"type": "text", "text": TEXT}]

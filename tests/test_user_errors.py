@@ -235,7 +235,7 @@ def test_exit_status_of_the_process(mod, argv, fragment, files):
 
 
 @pytest.mark.parametrize("mod", ["k3jax.config", "k3jax.train", "k3jax.decode", "k3jax.compile", "k3jax.plan",
-                                 "k3jax.logit_check", "k3jax.serve", "conversion.hf_to_k3jax",
+                                 "k3jax.logit_check", "k3jax.serve.main", "conversion.hf_to_k3jax",
                                  "conversion.k3jax_to_hf"])
 def test_help(mod, capsys):
     try:

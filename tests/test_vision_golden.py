@@ -223,7 +223,7 @@ def test_full_logits_of_the_converted_model_match_transformers(tmp_path):
     from conversion.hf_to_k3jax import convert
     from k3jax.sharding import make_mesh
     from k3jax.state import restore_model
-    from k3jax.multimodal import DROP
+    from k3jax.vision.layout import DROP
     convert(str(ASSET), str(tmp_path / "ckpt"), progress=False)
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={tmp_path / 'ckpt' / 'model.yml'}",
                                                f"load_parameters_path={tmp_path / 'ckpt'}", "weight_dtype=float32",

@@ -1,4 +1,4 @@
-"""Media spliced into the text model (k3jax.multimodal, K3Model.embed_media): the chat template's
+"""Media spliced into the text model (k3jax.data.media, k3jax.vision.splice, K3Model.embed_media): the chat template's
 media expansion, the splice itself, a text-only prompt through the vision model, decode with images
 (log-probabilities, no recompiles within a patch bucket, the images= mistakes) and a train step whose
 loss reaches the tower. A tiny K3 (one MLA layer) with the tiny tower and 28x28 images; the compiled
@@ -19,7 +19,8 @@ from k3jax.data.chat_template import chat_ids, render
 from k3jax.data.vision_processor import VisionInputError, from_config, process_image
 from k3jax.inference.generate import generate
 from k3jax.layers.common import REST
-from k3jax.multimodal import DROP, media_inputs, media_loss_mask, media_token_ids
+from k3jax.data.media import media_inputs, media_loss_mask, media_token_ids
+from k3jax.vision.layout import DROP
 from k3jax.optim import make_optimizer
 from k3jax.runtime import load_tokenizer
 from k3jax.step import make_train_step
@@ -243,7 +244,7 @@ def test_images_read_from_gs(gcs, tmp_path):
     """decode's image reader takes gs:// paths (k3jax.paths): the same patches as the local file;
     a missing object is the same one-line error as a missing local file."""
     from k3jax import paths
-    from k3jax.multimodal import read_image
+    from k3jax.data.media import read_image
     d = tmp_path / "imgs"
     d.mkdir()
     image(3, 42, 28).save(d / "a.png")

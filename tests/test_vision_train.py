@@ -14,7 +14,9 @@ from k3jax import config as C
 from k3jax import counts
 from k3jax import model as M
 from k3jax.layers.common import REST
-from k3jax.multimodal import DROP, pad_grouped, slot_loss_mask, splice
+from k3jax.data.media import pad_grouped
+from k3jax.vision.layout import DROP
+from k3jax.vision.splice import slot_loss_mask, splice
 from k3jax.optim import frozen_mask, make_optimizer, param_labels
 from k3jax.optim.muon import FREEZE_GROUPS, variables_by_path
 from k3jax.state import abstract_state

@@ -20,9 +20,9 @@ import numpy as np
 from k3jax import config as C
 from k3jax.cli import run_tool
 from k3jax.data.chat_template import chat_ids
+from k3jax.data.media import media_token_ids, read_image
 from k3jax.data.vision_processor import check_media_limit, from_config, process_image
 from k3jax.inference.generate import generate
-from k3jax.multimodal import media_token_ids, read_image
 from k3jax.runtime import load_tokenizer, tokenizer_dir
 from k3jax.sharding import make_mesh
 from k3jax.state import load_model

@@ -36,9 +36,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError
 from k3jax.console import timed_compile
+from k3jax.data import mm_sft, sft
+from k3jax.data import pipeline as P
+from k3jax.data.iterator import bad_data_options, sft_options
+from k3jax.data.sources import DataError, JsonlSource
+from k3jax.data.vision_processor import from_config
 from k3jax.feed import host_feed, token_sharding
 from k3jax.loss import chunked_row_losses
-from k3jax.step import bad_data_options, sft_options
+from k3jax.vision.splice import slot_loss_mask
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,6 @@ def make_eval_step(cfg, gdef):
         h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"], media=media)
         mask = batch["loss_mask"]
         if media is not None:
-            from k3jax.multimodal import slot_loss_mask
             mask = slot_loss_mask(mask, media["slots"])
         return chunked_row_losses(h, model.head_weight(), batch["targets"], mask, chunk=cfg.kernel.loss_chunk_size)
     return step
@@ -89,8 +93,6 @@ def _filler_row(seq_len: int) -> dict[str, np.ndarray]:
 def hellaswag_candidates(cfg, tokenizer) -> tuple[list[dict], np.ndarray, int]:
     """Every row's four endings as batch rows (row-major), the labels, and the number of rows
     skipped because a candidate is longer than max_target_length. Bad rows follow bad_data."""
-    from k3jax.data import sft
-    from k3jax.data.sources import DataError, JsonlSource
     seq_len, system = cfg.train.max_target_length, sft_options(cfg)["sft_default_system"]
     src = JsonlSource(cfg.eval.eval_dataset_path)
     rows, labels, too_long = [], [], 0
@@ -119,7 +121,6 @@ def hellaswag_candidates(cfg, tokenizer) -> tuple[list[dict], np.ndarray, int]:
 def check_eval_data(cfg, tokenizer) -> None:
     """Open the evaluation files and check their first records (``bad_data_check_records``) now,
     before a model is built, so a mistake in them costs seconds rather than a compile."""
-    from k3jax.data import pipeline as P
     if cfg.data.dataset_type == "mm_sft":
         _mm_dataset(cfg, tokenizer, 1, 0, 1)
         return
@@ -133,8 +134,6 @@ def check_eval_data(cfg, tokenizer) -> None:
 def _mm_dataset(cfg, tokenizer, batch_size: int, shard: int, num_shards: int):
     """The held-out image conversations (``mm_sft.make_dataset``), unshuffled, one pass, their first
     records checked as the training data's."""
-    from k3jax.data import mm_sft
-    from k3jax.data.vision_processor import from_config
     opts = sft_options(cfg)
     return mm_sft.make_dataset(paths=cfg.eval.eval_dataset_path, tokenizer=tokenizer, vcfg=cfg.vision,
                                pcfg=from_config(cfg), seq_len=cfg.train.max_target_length, batch_size=batch_size,
@@ -148,7 +147,6 @@ class Evaluator:
     """Runs an evaluation every ``eval_interval`` steps and after the last one (see module doc)."""
 
     def __init__(self, cfg, mesh, gdef, tokenizer):
-        from k3jax.data import pipeline as P
         self.cfg, self.mesh = cfg, mesh
         self.rows = eval_rows(cfg, mesh.devices.size)
         try:   # the eval batch is sharded like the training batch, fed by data shards the same way
@@ -212,7 +210,6 @@ class Evaluator:
             weight.append(out[1])
             correct.append(out[2])
         if not loss:
-            from k3jax.data.sources import DataError
             raise DataError(f"eval_dataset_path={self.cfg.eval.eval_dataset_path} gives no full eval batch of "
                             f"{self.rows} rows; add data or lower eval_per_device_batch_size")
         loss, weight, correct = (np.concatenate(x) for x in (loss, weight, correct))

@@ -6,7 +6,7 @@ axis (logical ("batch", "seq")). A process feeds exactly the block its own devic
   * rows: the processes whose devices hold the same rows form a *data shard* (with the context
     axis inside each host, every process is its own shard; with the context axis spanning hosts,
     the hosts of one context group share rows). Shard i of n reads records i, i+n, ... through
-    the data pipeline (``step.data_iterator``), so the shard's processes read the same records and
+    the data pipeline (``data.iterator.data_iterator``), so the shard's processes read the same records and
     build the same packed rows, and no record is read by two shards;
   * positions: each process then keeps only its devices' sequence slices of every array (tokens,
     targets, segment ids, positions, loss mask) before the device put, so no process puts, or
@@ -17,7 +17,7 @@ axis (logical ("batch", "seq")). A process feeds exactly the block its own devic
 (a dimension's local block is the process's index ranges along it, concatenated in order).
 
 Image batches (``dataset_type=mm_sft``) also carry ``"media"``, grouped per row
-(``multimodal.grouped_media_inputs``: [rows, ...] arrays, split over the batch axes like the rows,
+(``media.grouped_media_inputs``: [rows, ...] arrays, split over the batch axes like the rows,
 whole along every other axis). Each process packs its own rows to its fullest row's patch bucket,
 so before the put the processes agree on the largest (``agree_media``: one all-gather of three
 numbers) and pad to it.
@@ -28,9 +28,11 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.config import ConfigError
+from k3jax.data.media import pad_grouped
 from k3jax.sharding import batch_sharding, logical_to_spec
 
 
@@ -118,9 +120,6 @@ class HostFeed:
         media = raw.get("media")
         if media is None or jax.process_count() == 1:
             return raw, extra
-        from jax.experimental import multihost_utils
-
-        from k3jax.multimodal import pad_grouped
         mine = np.asarray([media["patches"].shape[1], media["merge_index"].shape[-1], extra], np.float32)
         every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
         n, frames = int(every[:, 0].max()), int(every[:, 1].max())

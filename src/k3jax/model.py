@@ -27,7 +27,12 @@ from k3jax.layers.kda import KDA, kda_cache_shapes
 from k3jax.layers.mla import MLA, mla_cache_shapes
 from k3jax.layers.moe import MoE
 from k3jax.layout import Layout, Site, layout, period_kinds
+from k3jax.schema import ConfigError
 from k3jax.sharding import constrain
+from k3jax.stages import pipeline_periods, to_stage_major
+from k3jax.validation import num_stages, pipeline_microbatches
+from k3jax.vision.splice import splice
+from k3jax.vision.tower import VisionEncoder
 
 REMAT_POLICIES = {
     "none": None,
@@ -163,7 +168,6 @@ class K3Model(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (), (d, v), ("embed", "vocab"), std=std, dtype=dtype, matrix=None)
         if vision is not None and vision.vision_enabled:
-            from k3jax.vision.tower import VisionEncoder
             self.vision = VisionEncoder(vision, d, rngs, std=std, dtype=dtype, compute_dtype=compute_dtype,
                                         interpret=kcfg.pallas_interpret)
 
@@ -190,12 +194,11 @@ class K3Model(nnx.Module):
 
     def embed_media(self, tokens, media=None, *, remat: bool = False):
         """Token embeddings with the media features spliced in: the tower and projector run once
-        on the packed media (``k3jax.multimodal.MediaInputs.arrays()``) and row j of their output
+        on the packed media (``k3jax.data.media.MediaInputs.arrays()``) and row j of their output
         replaces the embedding at flat position media["slots"][j]. Without media: ``embed``."""
         x = self.embed(tokens)
         if media is None:
             return x
-        from k3jax.multimodal import splice   # (pulls in k3jax.data: only when media are used)
         if not hasattr(self, "vision"):
             raise ValueError("media given to a model built without the vision tower (vision_enabled=false)")
         with jax.named_scope("vision"):
@@ -364,10 +367,9 @@ class K3Model(nnx.Module):
 
         periods = None
         if self.stages > 1 and self.layout.num_periods:
-            from k3jax import stages
             if return_cache:
                 raise ValueError("return_cache with pipeline stages: prefill runs without stages")
-            periods = functools.partial(stages.pipeline_periods, self, segment_ids=segment_ids, positions=positions,
+            periods = functools.partial(pipeline_periods, self, segment_ids=segment_ids, positions=positions,
                                         compute_aux=compute_aux, remat=remat,
                                         policy=REMAT_POLICIES[remat], fill=bubble_fill,
                                         gather_once=self.gather_once, block_cache=self.block_cache)
@@ -399,7 +401,6 @@ class K3Model(nnx.Module):
 
     def _no_stages(self):
         if self.stages > 1:
-            from k3jax.schema import ConfigError
             raise ConfigError(f"decode and serve run without pipeline stages, but this model has {self.stages}; set "
                               f"ici_stage_parallelism=1 dcn_stage_parallelism=1")
 
@@ -455,7 +456,6 @@ def _sampler(cfg, seed: int):
 
 
 def _construct(cfg, rngs):
-    from k3jax.validation import num_stages, pipeline_microbatches
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
                    compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None),
@@ -478,8 +478,7 @@ def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
     and then put in the stage-major order the pipeline holds them in (k3jax.stages)."""
     model = _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
     if model.stages > 1 and model.layout.num_periods:
-        from k3jax import stages
-        nnx.update(model.periods, stages.to_stage_major(nnx.state(model.periods), model.stages))
+        nnx.update(model.periods, to_stage_major(nnx.state(model.periods), model.stages))
     return model
 
 

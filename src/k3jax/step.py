@@ -1,4 +1,5 @@
-"""The train step as a library: the jitted optimizer step, and the batches it eats.
+"""The train step as a library: the jitted optimizer step, and the batch size it eats (the
+batches themselves come from ``k3jax.data.iterator``).
 
 One step = one optimizer update. With ``gradient_accumulation_steps`` = k the global batch is split
 into k micro-batches along its rows, scanned, and their token-weighted gradients summed in f32, so k
@@ -21,6 +22,7 @@ from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_i
                         tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim import qk_clip
 from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, stage_rows
+from k3jax.vision.splice import slot_loss_mask
 
 
 # ---- side outputs of the forward (layout trees, see k3jax.layout) -------------------------------
@@ -111,12 +113,11 @@ def make_train_step(cfg, gdef, tx):
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
-        media = batch.get("media")      # k3jax.multimodal.MediaInputs.arrays(), or absent
+        media = batch.get("media")      # k3jax.data.media.MediaInputs.arrays(), or absent
         h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
                                  remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0, media=media)
         mask = batch["loss_mask"]
         if media is not None:
-            from k3jax.multimodal import slot_loss_mask
             mask = slot_loss_mask(mask, media["slots"])
         with jax.named_scope("loss"):
             loss_sum, weight, correct = cross_entropy(h, model.head_weight(), batch["targets"], mask)
@@ -138,7 +139,7 @@ def make_train_step(cfg, gdef, tx):
         k = t.gradient_accumulation_steps
         if k > 1 and "media" in batch and batch["media"]["slots"].ndim == 1:
             raise ConfigError(f"gradient_accumulation_steps={k} with media packed flat: they are one array per "
-                              f"batch, not per row; group them per row (multimodal.grouped_media_inputs, as "
+                              f"batch, not per row; group them per row (media.grouped_media_inputs, as "
                               f"dataset_type=mm_sft does) or use gradient_accumulation_steps=1")
         if k == 1:
             (_, (loss, weight, correct, aux)), grads = grad_fn(params, rest, batch)
@@ -203,33 +204,3 @@ def check_batch(cfg, num_devices: int) -> int:
         raise ConfigError(f"global batch {gb} is not divisible by gradient_accumulation_steps={k}")
     return gb
 
-
-def data_iterator(cfg, global_batch: int, tokenizer=None, *, shard: int | None = None,
-                  num_shards: int | None = None):
-    """Data shard ``shard`` of ``num_shards`` of the training batches (a checkpointable grain
-    iterator of global_batch / num_shards rows each): the rows the processes of one shard feed
-    (``feed.host_feed``: one shard per process unless a context group spans processes). Default:
-    this process of all of them."""
-    from k3jax.data import pipeline as P
-    num_shards = jax.process_count() if num_shards is None else num_shards
-    shard = jax.process_index() if shard is None else shard
-    return P.make_pipeline(dataset_type=cfg.data.dataset_type, paths=cfg.data.dataset_path, tokenizer=tokenizer,
-                           process_index=shard, process_count=num_shards,
-                           seq_len=cfg.train.max_target_length, batch_size=global_batch // num_shards,
-                           seed=cfg.data.data_seed, shuffle=cfg.data.data_shuffle, bad_data=cfg.data.bad_data,
-                           vocab_size=cfg.model.vocab_size, text_key=cfg.data.text_key,
-                           num_epochs=cfg.data.num_epoch or None, **sft_options(cfg), **bad_data_options(cfg))
-
-
-def bad_data_options(cfg) -> dict:
-    """The bad-data policy's limits (early check of the first records, largest bad fraction)."""
-    return {"check_records_first": cfg.data.bad_data_check_records,
-            "max_bad_fraction": cfg.data.bad_data_max_fraction}
-
-
-def sft_options(cfg) -> dict:
-    """The SFT settings of the data pipeline (training and evaluation read records alike)."""
-    from k3jax.data.chat_template import DEFAULT_SYSTEM
-    d = cfg.data
-    return {"sft_format": d.sft_format, "sft_overlong": d.sft_overlong,
-            "sft_default_system": DEFAULT_SYSTEM if d.sft_default_system_prompt else None}

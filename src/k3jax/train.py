@@ -19,6 +19,7 @@ import yaml
 
 from k3jax import config as C
 from k3jax import counts, paths
+from k3jax.data.iterator import data_iterator
 from k3jax.checkpoint import Checkpointer
 from k3jax.cli import run_tool
 from k3jax.errors import UserError
@@ -32,7 +33,7 @@ from k3jax.runtime import record_tokenizer, sync_processes
 from k3jax.feed import host_feed, token_sharding
 from k3jax.sharding import make_mesh, maybe_initialize_distributed
 from k3jax.state import abstract_state, init_state, layer_order, memory_order, restore_state
-from k3jax.step import check_batch, data_iterator, jit_train_step
+from k3jax.step import check_batch, jit_train_step
 
 
 class TrainingError(UserError, RuntimeError):
@@ -150,12 +151,9 @@ def _mm(cfg) -> bool:
 
 
 def _data(cfg, gb: int, tok, feed):
-    """The batch iterator of this process's data shard (``step.data_iterator``; image
+    """The batch iterator of this process's data shard (``data.iterator.data_iterator``; image
     conversations through ``k3jax.data.mm_sft``, whose batches carry ``"media"``)."""
-    if not _mm(cfg):
-        return data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
-    from k3jax.data import mm_sft
-    return mm_sft.data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
+    return data_iterator(cfg, gb, tok, shard=feed.shard, num_shards=feed.num_shards)
 
 
 def vision_flops(cfg, feed, raw: dict) -> tuple[dict, float]:

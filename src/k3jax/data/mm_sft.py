@@ -14,7 +14,7 @@ A record is ``{"images": ["a.jpg", ...], "messages": [{"role", "content"}, ...]}
       .batch(B, batch_fn=collate)    one conversation per row; its media packed to a patch bucket
 
 A batch is the text pipeline's [B, T] contract (``k3jax.data.pipeline``) plus ``"media"``: each
-row's media packed on their own (``multimodal.grouped_media_inputs``: arrays [B, ...], patches and
+row's media packed on their own (``media.grouped_media_inputs``: arrays [B, ...], patches and
 layout padded to the patch bucket of the batch's fullest row, ``slots`` [B, M] the columns of the
 row's media pads), so the rows split over the devices like the tokens, each device runs the tower
 on its own rows, and the train step compiles one program per bucket. Rows are not packed with
@@ -37,9 +37,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from k3jax import paths as _paths
 from k3jax.data import chat_template
 from k3jax.data import pipeline as P
 from k3jax.data import sft as sft_lib
+from k3jax.data.media import grouped_media_inputs, media_loss_mask, media_token_ids, read_image
 from k3jax.data.messages import count_images
 from k3jax.data.sources import DataError, JsonlSource, expand_paths
 from k3jax.data.vision_processor import (MediaItem, ProcessorConfig, VisionInputError, check_media_limit,
@@ -72,7 +74,6 @@ class ConversationSource(grain.sources.RandomAccessDataSource):
 
     @staticmethod
     def _json_list(path: str) -> list | None:
-        from k3jax import paths as _paths
         with _paths.open_binary(path) as f:
             head = f.read(4096).lstrip()
             if not head.startswith(b"["):
@@ -175,7 +176,6 @@ class ParseConversation(P.ParseDocument):
             check_media_limit(len(images), self.pcfg, "record")
         except ValueError as e:     # VisionInputError included
             raise P._BadRecord("bad_record", str(e)) from None
-        from k3jax.multimodal import read_image   # (multimodal imports jax.numpy: not at module import)
         items = []
         for p in images:
             try:
@@ -235,7 +235,6 @@ class Collate:
         self.vcfg, self.pcfg, self.seq_len, self.media_ids = vcfg, pcfg, seq_len, media_ids
 
     def __call__(self, docs) -> dict:
-        from k3jax.multimodal import grouped_media_inputs, media_loss_mask
         b, t = len(docs), self.seq_len
         tokens = np.zeros((b, t), np.int32)
         targets = np.zeros((b, t), np.int32)
@@ -272,7 +271,6 @@ def make_dataset(*, paths: str, tokenizer, vcfg, pcfg: ProcessorConfig, seq_len:
                  **unused: Any) -> tuple[grain.IterDataset, P.PipelineStats]:
     """The grain IterDataset of mm_sft batches and its stats (arguments as ``pipeline.make_dataset``;
     ``vcfg``: the VisionConfig, ``pcfg``: the processor's, ``image_root``: see the module docstring)."""
-    from k3jax.multimodal import media_token_ids
     if bad_data not in P.BAD_DATA_POLICIES:
         raise ValueError(f"bad_data must be one of {P.BAD_DATA_POLICIES}, got {bad_data!r}")
     if sft_overlong not in sft_lib.SFT_OVERLONG:
@@ -306,18 +304,3 @@ def make_pipeline(*, process_index: int = 0, process_count: int = 1, **kw) -> P.
     ds, stats = make_dataset(process_index=process_index, process_count=process_count, **kw)
     return P.PipelineIterator(iter(ds), stats, (process_index, process_count))
 
-
-def data_iterator(cfg, global_batch: int, tokenizer, *, shard: int = 0, num_shards: int = 1) -> P.PipelineIterator:
-    """The training batches of ``dataset_type=mm_sft`` (``step.data_iterator``'s counterpart): data
-    shard ``shard`` of ``num_shards``, global_batch / num_shards rows each."""
-    from k3jax.data.vision_processor import from_config
-    from k3jax.step import bad_data_options, sft_options
-    opts = sft_options(cfg)
-    ds, stats = make_dataset(paths=cfg.data.dataset_path, tokenizer=tokenizer, vcfg=cfg.vision,
-                             pcfg=from_config(cfg), seq_len=cfg.train.max_target_length,
-                             batch_size=global_batch // num_shards, seed=cfg.data.data_seed,
-                             shuffle=cfg.data.data_shuffle, process_index=shard, process_count=num_shards,
-                             bad_data=cfg.data.bad_data, num_epochs=cfg.data.num_epoch or None,
-                             image_root=cfg.data.image_root, sft_overlong=opts["sft_overlong"],
-                             sft_default_system=opts["sft_default_system"], **bad_data_options(cfg))
-    return P.PipelineIterator(iter(ds), stats, (shard, num_shards))

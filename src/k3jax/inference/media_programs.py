@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.data.media import media_inputs
 from k3jax.data.vision_processor import VisionInputError, patch_bucket
 from k3jax.inference.lazy import Lazy
-from k3jax.multimodal import media_inputs
 
 
 def media_buckets(pcfg, length: int) -> list[int]:

@@ -1,3 +1,3 @@
-from k3jax.serve import main
+from k3jax.serve.main import main
 
 raise SystemExit(main())

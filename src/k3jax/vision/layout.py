@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 KEYS_A = -0.75  # torch's bicubic (Keys) coefficient; jax.image.resize uses -0.5, hence these taps
+DROP = 2 ** 30  # the slot of a padding token (k3jax.data.media): out of range of any [B, T] batch
 
 
 def _keys(d: np.ndarray, a: float = KEYS_A) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""Media in the text model (docs/vision.md §5, docs/architecture.md "Media"): host-side inputs
-for the tower and where its features go, and the in-graph splice.
+"""Media in the text model, the host half (docs/vision.md §5, docs/architecture.md "Media"): the
+tower's inputs and where its features go, built with numpy from image files and token ids. The
+device half, the in-graph splice and the slot loss mask, is ``k3jax.vision.splice``.
 
 Convention (a) of vision.md §5: every media item's ``<|media_pad|>`` run is already in the
 token ids (the chat template writes the processor's prompt, ``chat_template.chat_ids(media=)``),
@@ -12,7 +13,7 @@ fixed by the patch bucket alone:
   patch bucket, padding rows in their own segment);
 - ``slots`` [M] int32: the flat position (row * T + column) of each merged token's pad in the
   token batch [B, T], M = N // k^2 (the most tokens N patches can make); the padding tokens' slot
-  is ``DROP``, past any batch, so the scatter drops them (``mode="drop"``).
+  is ``DROP`` (``k3jax.vision.layout``), past any batch, so the scatter drops them (``mode="drop"``).
 
 So every image set whose packed patches fit the same bucket runs one compiled program. The model
 (``K3Model.embed_media``) runs the tower once on the packed media and scatters the projected rows
@@ -30,15 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax import paths
 from k3jax.data.vision_processor import (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, MediaItem,
                                          VisionInputError, load_image, patch_bucket)
-from k3jax.vision.layout import ARRAY_KEYS, media_layout
+from k3jax.vision.layout import ARRAY_KEYS, DROP, media_layout
 
-DROP = 2 ** 30          # the slot of a padding token: out of range of any [B, T] batch
 MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
 
 
@@ -127,35 +127,6 @@ def pad_grouped(media: dict, merge: int, patches: int, frames: int) -> dict:
     return out
 
 
-def splice(x, features, slots):
-    """x [B, T, D] token embeddings, features [M, D], slots [M] flat positions -> x with row
-    ``slots[j]`` replaced by ``features[j]``; slots out of range (padding) are dropped.
-
-    Media grouped per row (features [B, M, D], slots [B, M] positions within the row): each row
-    scatters its own features, a scatter batched over the rows that stays split over the batch
-    axes; a flat scatter into [B*T, D] cannot be partitioned by rows and would gather the whole
-    batch's embeddings on each device."""
-    b, t, d = x.shape
-    if slots.ndim == 2:
-        return jax.vmap(lambda xr, fr, sr: xr.at[sr].set(fr.astype(x.dtype), mode="drop", unique_indices=True))(
-            x, features, slots)
-    flat = x.reshape(b * t, d).at[slots].set(features.astype(x.dtype), mode="drop",
-                                             unique_indices=True)
-    return flat.reshape(b, t, d)
-
-
-def slot_loss_mask(loss_mask, slots):
-    """loss_mask [B, T] with 0 at every position whose target (the next token) is a media slot:
-    position slot - 1 unless the slot starts a row (padding slots are dropped). ``slots`` flat
-    positions [M] or, grouped, positions within each row [B, M]."""
-    b, t = loss_mask.shape
-    if slots.ndim == 2:
-        prev = jnp.where(slots == 0, DROP, slots - 1)
-        return jax.vmap(lambda mr, pr: mr.at[pr].set(0, mode="drop"))(loss_mask, prev)
-    prev = jnp.where(slots % t == 0, DROP, slots - 1)
-    return loss_mask.reshape(-1).at[prev].set(0, mode="drop").reshape(b, t)
-
-
 def media_loss_mask(tokens: np.ndarray, loss_mask: np.ndarray, media_ids) -> np.ndarray:
     """Host side: ``loss_mask`` [B, T] (weight of target t = tokens[t + 1]) with 0 wherever the
     target lies in a media span, ``<|media_begin|>`` through ``<|media_end|>`` inclusive (the
@@ -180,7 +151,6 @@ def media_loss_mask(tokens: np.ndarray, loss_mask: np.ndarray, media_ids) -> np.
 def read_image(p: str):
     """A decoded PIL image from a local or gs:// path; a missing or unreadable file is a
     one-line VisionInputError naming it."""
-    from k3jax import paths
     try:
         with paths.open_binary(p) as f:
             data = f.read()
