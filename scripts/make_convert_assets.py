@@ -28,13 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_goldens as G  # noqa: E402  (sets sys.modules["fla"] = None before transformers loads)
+from goldens_common import IMPLEMENTATIONS, REPO_ROOT, randomize_  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
-OUT = G.REPO_ROOT / "tests" / "assets" / "kimi_linear_formats"
+OUT = REPO_ROOT / "tests" / "assets" / "kimi_linear_formats"
 SEED = 4321
 
 
@@ -72,8 +74,8 @@ def remote_config(native: dict) -> dict:
 
 def main() -> None:
     torch.manual_seed(SEED)
-    model = KimiLinearForCausalLM._from_config(config(), dtype=torch.float32, **G.IMPLEMENTATIONS).eval()
-    G.randomize_(model, SEED + 1)
+    model = KimiLinearForCausalLM._from_config(config(), dtype=torch.float32, **IMPLEMENTATIONS).eval()
+    randomize_(model, SEED + 1)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(SEED + 2))
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits.float().numpy()
@@ -103,7 +105,7 @@ def main() -> None:
     np.savez(OUT / "golden.npz", input_ids=ids.numpy().astype(np.int32), logits=logits, logits_biased=biased,
              logits_bf16=logits_bf16)
     names = {lay: sorted(load_file(str(OUT / lay / "model.safetensors"))) for lay in ("native", "original", "remote")}
-    meta = {"transformers": G.transformers.__version__, "torch": torch.__version__, "seed": SEED,
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "seed": SEED,
             "tensors": {k: len(v) for k, v in names.items()},
             "layer0_mlp": {k: [n for n in v if n.startswith("model.layers.0.") and "proj" in n and "attn" not in n]
                            for k, v in names.items()}}

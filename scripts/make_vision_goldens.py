@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration  # noqa: E402
 
-from make_goldens import IMPLEMENTATIONS, MIN_ROUTING_MARGIN, REPO_ROOT, randomize_, routing_margins  # noqa: E402
+from goldens_common import IMPLEMENTATIONS, MIN_ROUTING_MARGIN, REPO_ROOT, randomize_, routing_margins  # noqa: E402
 
 NAME = "kimi_k25_vision_tiny"
 SEED = 2525
