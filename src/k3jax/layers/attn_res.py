@@ -15,6 +15,22 @@ from flax import nnx
 from k3jax.layers.common import ones, param, zeros
 
 
+def depth_weights(blocks, n_blocks, partial, w, gamma, eps: float):
+    """The depth softmax of ``attn_res_mix``: weights [S,B,T] f32 over the S = NB + 1 sources
+    (invalid block slots 0), all in f32 (NeMo's K3 ``_apply_attn_res`` upcasts the sources, the
+    RMS and the score weight alike)."""
+    return _depth_softmax(jnp.concatenate([blocks, partial[None]], 0).astype(jnp.float32), n_blocks, w, gamma, eps)
+
+
+def _depth_softmax(src, n_blocks, w, gamma, eps: float):
+    q = gamma.astype(jnp.float32) * w.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(src * src, axis=-1) + eps)               # [S,B,T]
+    s = jnp.einsum("sbtd,d->sbt", src, q) * inv_rms
+    valid = jnp.concatenate([jnp.arange(src.shape[0] - 1) < n_blocks, jnp.ones((1,), bool)])
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    return jax.nn.softmax(s, axis=0)
+
+
 def attn_res_mix(blocks, n_blocks, partial, w, gamma, eps: float):
     """Depth-softmax mix of the valid sources.
 
@@ -22,12 +38,7 @@ def attn_res_mix(blocks, n_blocks, partial, w, gamma, eps: float):
     partial.dtype. All arithmetic in f32; no 1/sqrt(D) temperature.
     """
     src = jnp.concatenate([blocks, partial[None]], 0).astype(jnp.float32)      # [S,B,T,D]
-    q = gamma.astype(jnp.float32) * w.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(src * src, axis=-1) + eps)               # [S,B,T]
-    s = jnp.einsum("sbtd,d->sbt", src, q) * inv_rms
-    valid = jnp.concatenate([jnp.arange(blocks.shape[0]) < n_blocks, jnp.ones((1,), bool)])
-    s = jnp.where(valid[:, None, None], s, -jnp.inf)
-    a = jax.nn.softmax(s, axis=0)
+    a = _depth_softmax(src, n_blocks, w, gamma, eps)
     return jnp.einsum("sbt,sbtd->btd", a, src).astype(partial.dtype)
 
 
