@@ -239,18 +239,15 @@ def summarize(layers, logits, tokens) -> dict:
         "kda_g": _rel, "kda_beta": _rel, "kda_state": _rel, "kda_o": _rel,
         "mla_p": _maxabs, "mla_max_logit": _rel, "mla_o": _rel,
     }
-    src = {"router_flip": "router_idx"}
+    # Probe keys each metric reads (both AttnRes sites of a layer for the AttnRes rows).
+    src = {"router_flip": ("router_idx",), "attn_res_p": ("attn_res_pre_p", "attn_res_ffn_p"),
+           "attn_res_out": ("attn_res_pre_out", "attn_res_ffn_out")}
     out = {}
     for tag in ("acc", "local"):
         row = {}
         for name, fn in metrics.items():
-            key = src.get(name, name)
-            vals = []
-            for rec in layers:
-                for probe_key in rec["ref"]:
-                    if probe_key == key or (key.startswith("attn_res") and probe_key.startswith("attn_res")
-                                            and probe_key.endswith(key.rsplit("_", 1)[1])):
-                        vals.append(float(fn(rec[tag][probe_key], rec["ref"][probe_key])))
+            vals = [float(fn(rec[tag][k], rec["ref"][k])) for rec in layers for k in src.get(name, (name,))
+                    if k in rec["ref"]]
             row[name] = max(vals) if vals else None
         ref = np.asarray(logits["ref"], np.float64)
         got = np.asarray(logits[tag], np.float64)
