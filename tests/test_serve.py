@@ -517,6 +517,34 @@ def test_prefix_cache_hit_restores_and_prefills_the_rest(served):
     assert metric(url, "k3jax_prefix_cache_bytes") == cache.bytes > 0
 
 
+def test_prefix_cache_snapshot_at_a_turn_boundary(served):
+    """Two chats sharing a long system prompt and asking different questions: the second diverges
+    inside the first's last cached block, and still restores the shared system turn from the
+    snapshot kept at its end (rounded down to a block), with the same reply as the cache off."""
+    eng, url = served.engine, served.url
+    system = {"role": "system", "content": " ".join(f"rule {i}: be brief." for i in range(3))}
+    asks = [[system, {"role": "user", "content": q}] for q in ("What is two plus two?", "Name a colour.")]
+    cache = eng.prefix
+    sys_len = len(chat_ids(served.tok, [system], add_generation_prompt=False))
+    assert sys_len >= 2 * CHUNK and all(len(chat_ids(served.tok, a)) < CONTEXT for a in asks)
+
+    def reply(msgs):
+        r = served.client.chat.completions.create(model=served.name, messages=msgs, max_tokens=6, temperature=0)
+        return r.choices[0].message.content
+
+    eng.prefix = None
+    try:
+        fresh = [reply(a) for a in asks]
+    finally:
+        eng.prefix = cache
+    before = metric(url, "k3jax_prefix_cache_reused_tokens_total")
+    assert reply(asks[0]) == fresh[0]
+    assert metric(url, "k3jax_prefix_cache_reused_tokens_total") == before         # the first: a miss
+    assert reply(asks[1]) == fresh[1]
+    reused = metric(url, "k3jax_prefix_cache_reused_tokens_total") - before
+    assert reused == sys_len // CHUNK * CHUNK > 0, (reused, sys_len)
+
+
 def test_prefix_cache_evicts_the_least_recently_used(served):
     eng, url, n = served.engine, served.url, served.tok.n_base
     rng = np.random.default_rng(8)

@@ -148,10 +148,13 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                           "response_format": proto.response_format(body)}
             ids = _chat_prompt(body.messages, body.tools, proto.template_kwargs(body),
                                media=[it.prompt for it in items] if items else None, **k3_options)
+            bounds = _boundaries(body.messages, body.tools, proto.template_kwargs(body), ids, items, k3_options)
             forced, prime = k3_toolcalls.forced_tokens(tokenizer, ids, choice, name)
         else:
             ids = _chat_prompt(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body),
                                media=[it.prompt for it in items] if items else None)
+            bounds = _boundaries(body.messages, body.tools if choice != "none" else None, proto.template_kwargs(body),
+                                 ids, items, {})
             forced, prime = ([], []) if grammar is None else toolcalls.forced_tokens(
                 grammar, ids, choice, name, index=sum(len(m.get("tool_calls") or []) for m in body.messages
                                                       if isinstance(m, dict) and m.get("role") == "assistant"))
@@ -175,7 +178,27 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
         n = proto.max_tokens(want, len(ids), context, default=None, param=param)
         out = proto.Body("chat", model_name, k, bool(body.return_tokens_as_token_ids))
         media = (tuple(items), mediaio.media_keys(ids, items, images["pad_id"])) if items else None
-        return await _serve(request, body, [ids], n, out, parse, media=media, ban=ban)
+        return await _serve(request, body, [ids], n, out, parse, media=media, ban=ban, boundaries=bounds)
+
+    def _boundaries(messages, tools, kwargs, ids, items, k3_options) -> tuple:
+        """Where the prompt's turns end (the tool declaration, each earlier message): the prefix
+        cache keeps snapshots there, so requests sharing a system prompt, tools or earlier turns
+        reuse them. A prefix counts only if its own rendering is a token prefix of ``ids``; with
+        images none is computed (a prefix would need its own images' prompts). At most the first
+        three and the last four boundaries of a long conversation (each is one more rendering)."""
+        if getattr(engine, "prefix", None) is None or items:
+            return ()
+        n = len(messages)
+        out = []
+        for i in sorted(set(range(min(n, 3))) | set(range(max(0, n - 4), n))):
+            try:
+                pre = chat_ids(tokenizer, messages[:i], tools=tools, template_kwargs=kwargs,
+                               add_generation_prompt=False, **k3_options)
+            except Exception:     # noqa: BLE001 - a prefix the template cannot render alone has no boundary
+                continue
+            if 0 < len(pre) < len(ids) and ids[:len(pre)] == pre:
+                out.append(len(pre))
+        return tuple(out)
 
     async def _images(messages) -> list:
         """The request's images, fetched and processed off the event loop ([] without image parts)."""
@@ -240,7 +263,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
 
     async def _serve(http: HttpRequest, body, prompts: list[list[int]], n: int, out: proto.Body,
                      parse: dict | None = None, echo: tuple[list[str], int | None] | None = None,
-                     media: tuple | None = None, ban: tuple[int, int] = (-1, -1)):
+                     media: tuple | None = None, ban: tuple[int, int] = (-1, -1), boundaries: tuple = ()):
         """Submit the request (per prompt its n choices: the first with the others as its copies; choice
         i of prompt p has index p * n + i, as in OpenAI's API) and answer. ``echo``: (each prompt's text,
         the logprobs to score the prompts' tokens with, or None). ``media``: (the processed images, their
@@ -255,7 +278,7 @@ def create_app(engine, tokenizer, *, model_name: str, context: int, api_key: str
                         logprobs=out.logprobs, id=out.id if total == 1 else f"{out.id}-{j}", ignore_eos=s["ignore_eos"],
                         prompt_logprobs=echo[1] if echo is not None else None,
                         images=media[0] if media else (), media=media[1] if media else (),
-                        ban_token=ban[0], ban=ban[1],
+                        ban_token=ban[0], ban=ban[1], boundaries=boundaries,
                         sink=lambda ev, j=j: loop.call_soon_threadsafe(events.put_nowait, (j, ev)))
                 for j in range(total)]
         groups = [reqs[p:p + s["n"]] for p in range(0, total, s["n"])]

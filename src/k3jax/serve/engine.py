@@ -97,6 +97,7 @@ class Request:
     ban_token: int = -1                       # a token it may sample only ``ban`` more times (-1: none), counted
     ban: int = -1                             # down as it is sampled; the tool-call opener for tool_choice="none"
                                               # (K3: <|open|> once, the response channel after thinking; K2: 0)
+    boundaries: tuple = ()                    # prompt positions where a turn ends: prefix cache snapshot points
     copies: list = dataclasses.field(default_factory=list)   # n > 1: the other choices (they share r's prefill)
     # engine state
     slot: int = -1
@@ -400,11 +401,19 @@ class Engine:
     def _pads(self, r: Request) -> np.ndarray:
         return np.flatnonzero(np.asarray(r.prompt) == self.p.media_pad)
 
+    def _chunk_end(self, r: Request) -> int:
+        """Where r's next prefill chunk ends: a chunk on, the end of its prompt, or first its next
+        prefix-cache point (a chunk longer than the block stops there so the snapshot can be taken)."""
+        end = min(r.prefilled + self.chunk, self._end(r))
+        if self.prefix is not None and r.prompt_logprobs is None:
+            end = min([end] + [p for p in self.prefix.points(len(r.prompt), r.boundaries) if p > r.prefilled])
+        return end
+
     def _save_prefix(self, r: Request) -> None:
-        """r's prefill just ended a chunk: if that is where its prompt's entry goes, save it."""
-        if self.prefix is None or r.prefilled != self.prefix.usable_blocks(len(r.prompt)) * self.prefix.block:
+        """r's prefill just ended a chunk: if that is one of its prompt's cache points, save an entry."""
+        if self.prefix is None or r.prefilled not in self.prefix.points(len(r.prompt), r.boundaries):
             return
-        plan = self.prefix.plan_save(r.prompt, r.media, r.reused)
+        plan = self.prefix.plan_save(r.prompt, r.media, r.reused, tokens=r.prefilled)
         if plan is None:
             return
         for key in plan.drops:
@@ -425,7 +434,7 @@ class Engine:
         if self.rows < 2 or len(text) < 2 or text[0] is not prefilling[0]:
             return self._prefill_chunk(prefilling[0])
         group = text[:self.rows]
-        pieces = [r.prompt[r.prefilled:min(r.prefilled + self.chunk, self._end(r))] for r in group]
+        pieces = [r.prompt[r.prefilled:self._chunk_end(r)] for r in group]
         sampling = list(zip(*(self._sampling(r) for r in group)))
         self.prefill_log.append((self.iteration, tuple(r.id for r in group)))
         out = self._run_step(Step.prefill_rows([r.slot for r in group], pieces, [r.prefilled for r in group],
@@ -437,7 +446,7 @@ class Engine:
     def _prefill_chunk(self, r: Request) -> None:
         self.prefill_log.append((self.iteration, (r.id,)))
         start = r.prefilled
-        piece = r.prompt[start:min(start + self.chunk, self._end(r))]
+        piece = r.prompt[start:self._chunk_end(r)]
         if r.images and r.media_id == -1:
             self._start_media(r)
         if r.media_id >= 0:       # the k-th pad of the prompt takes row k of its image rows

@@ -8,9 +8,12 @@ MLA rows, so the cache keeps:
   block's key (the first block's: the weights' version), the block's token ids and the digests of
   the media (images, ...) whose placeholder tokens fall in the block, so equal keys mean equal
   prefixes up to the block's end under the same weights;
-- a KDA/conv snapshot ("entry") at one point per cached prompt: the end of its last full block
+- KDA/conv snapshots ("entries") at a few points per cached prompt: the end of its last full block
   before its last token (a prompt of exactly k blocks keeps k - 1, so the same prompt sent again
-  still has a token left to prefill, whose logits give the first sampled token).
+  still has a token left to prefill, whose logits give the first sampled token), and its turn
+  boundaries (the end of the tool declaration, of the system turn and of each earlier message,
+  given by the HTTP layer), each rounded down to a block: where chat and agent requests that share
+  a system prompt or a conversation's earlier turns diverge.
 
 A new request restores the longest prefix that ends at an entry (all the entry's blocks are held
 while it is) and prefills the rest. ``capacity`` bounds the bytes of blocks plus snapshots; the
@@ -97,11 +100,20 @@ class PrefixCache:
                 return Match(n * self.block, [self.blocks[k][0] for k in keys[:n]], self.entries[keys[n - 1]][0])
         return None
 
-    def plan_save(self, prompt, media=(), restored: int = 0) -> Save | None:
-        """The entry this prompt adds (None: already cached, nothing to save, or it cannot fit).
-        Evicts entries to make room and records the new ones, so call it once per prompt and then
-        run the returned copies (drops first)."""
-        n = self.usable_blocks(len(prompt))
+    def points(self, n_tokens: int, boundaries=()) -> list[int]:
+        """Where a prompt of n_tokens keeps snapshots: its turn ``boundaries`` (token positions where
+        a message or the tool declaration ends) rounded down to a block, and the end of its last
+        usable block; ascending, each > 0."""
+        last = self.usable_blocks(n_tokens) * self.block
+        return sorted({min(b // self.block * self.block, last) for b in boundaries} - {0} | ({last} - {0}))
+
+    def plan_save(self, prompt, media=(), restored: int = 0, tokens: int | None = None) -> Save | None:
+        """The entry this prompt adds at ``tokens`` (a block multiple, default the end of its last
+        usable block; None: already cached, nothing to save, or it cannot fit). Evicts entries to
+        make room and records the new ones, so call it once per point and then run the returned
+        copies (drops first)."""
+        n = self.usable_blocks(len(prompt)) if tokens is None else min(tokens // self.block,
+                                                                      self.usable_blocks(len(prompt)))
         if n == 0 or n * self.block <= restored:
             return None
         keys = chain_keys(prompt, self.block, n, media, self.version)
