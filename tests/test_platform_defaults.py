@@ -13,7 +13,7 @@ import pytest
 
 from helpers import REPO
 from k3jax import config as C
-from k3jax import runtime
+from k3jax import jax_platforms as runtime
 from k3jax.kernels.attention import (QUERY_BLOCK, auto_attention, causal_attention, cudnn_attention, get_attention_fn,
                                      resolve_attention)
 from k3jax.kernels.kda import get_kda_fn

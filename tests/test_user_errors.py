@@ -153,7 +153,7 @@ CASES = [
     ("params-path-empty", "k3jax.decode", [*DECODE, "load_parameters_path={noparams}"], "noparams"),
     ("params-not-orbax", "k3jax.decode", [*DECODE, "load_parameters_path={garbage}"], "garbage/params"),
     ("no-tokenizer-decode", "k3jax.decode", ["load_parameters_path={noparams}"], "tokenizer_path"),
-    ("no-tokenizer-serve", "k3jax.serve", ["load_parameters_path={noparams}"], "tokenizer_path"),
+    ("no-tokenizer-serve", "k3jax.serve.main", ["load_parameters_path={noparams}"], "tokenizer_path"),
     ("no-tokenizer-random-weights", "k3jax.decode", [], "no tokenizer"),
     ("no-tokenizer-jsonl", "k3jax.train", ["dataset_type=jsonl", "dataset_path={good}", *TRAIN], "tokenizer_path"),
     ("resume-other-dtype", "k3jax.train", ["base_output_directory={tmp}/runs", "run_name=r", "weight_dtype=bfloat16",

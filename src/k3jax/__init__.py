@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 # Before any tool touches a device: a host with libtpu installed and no TPU starts jax on its CPU
-# without libtpu's start-up errors (k3jax.runtime.quiet_cpu_start; a set JAX_PLATFORMS wins).
-from k3jax.runtime import quiet_cpu_start as _quiet_cpu_start  # noqa: E402
+# without libtpu's start-up errors (k3jax.jax_platforms.quiet_cpu_start; a set JAX_PLATFORMS wins).
+from k3jax.jax_platforms import quiet_cpu_start as _quiet_cpu_start  # noqa: E402
 
 _quiet_cpu_start()

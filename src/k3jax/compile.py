@@ -24,10 +24,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax import config as C
 from k3jax.cli import run_tool
+from k3jax.data.vision_processor import from_config, patch_bucket, resize_plan
 from k3jax import counts
 from k3jax import roofline as R
 from k3jax import topology as TP
@@ -44,6 +46,7 @@ from k3jax.inference.programs import Programs
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
+from k3jax.vision.layout import ARRAY_KEYS, media_layout
 
 
 class DoesNotFit(RuntimeError):
@@ -74,9 +77,6 @@ def media_plan(cfg) -> dict | None:
     n_img = cfg.compile.compile_images_per_sequence
     if not n_img:
         return None
-    import numpy as np
-    from k3jax.data.vision_processor import from_config, patch_bucket, resize_plan
-    from k3jax.vision.layout import ARRAY_KEYS, media_layout
     pcfg, v = from_config(cfg), cfg.vision
     side = cfg.compile.compile_image_size
     plan = resize_plan(side, side, pcfg)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from k3jax import counts
 from k3jax.errors import guard, usage, wants_help
 from k3jax.validation import (  # noqa: F401 - re-exported: callers use config.validate, config.mesh_shape
     FREEZABLE, PATH_KEYS, VOCAB_PARALLEL_AXES, check_path_scheme, mesh_shape, validate)
@@ -123,7 +125,6 @@ MAXTEXT_SAMPLING = {"greedy": "greedy", "weighted": "sample", "nucleus": "sample
 def canonical_keys(values: dict, where: str) -> dict:
     """``values`` with MaxText aliases renamed to k3jax keys (order kept), one notice per alias on
     stderr; ConfigError when an alias and its k3jax key are both given in ``where``."""
-    import sys
     out = {}
     for key, val in values.items():
         canon = ALIASES.get(key)
@@ -300,7 +301,6 @@ def override(cfg: Config, values: dict[str, Any]) -> Config:
 
 def describe(cfg: Config) -> str:
     """Human-readable resolved config with the derived quantities."""
-    from k3jax import counts
     lines = [f"# resolved config: model_name={cfg.model_name}"]
     for sec in SECTIONS:
         lines.append(f"## {sec}")
@@ -323,7 +323,6 @@ def describe(cfg: Config) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m k3jax.config configs/base.yml key=value ...``: print the resolved config."""
-    import sys
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         print(usage("config", main.__doc__))

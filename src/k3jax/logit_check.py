@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
 from k3jax import config as C, paths
 from k3jax.cli import run_tool
+from k3jax.runtime import sync_processes
+from k3jax.sharding import make_mesh
+from k3jax.state import restore_model
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -67,11 +74,6 @@ def load_golden(path: str | None, vocab_size: int) -> tuple[np.ndarray, np.ndarr
 
 def model_logits(cfg, tokens: np.ndarray) -> np.ndarray:
     """Logits [B,T,V] float32 of the model with load_parameters_path's weights."""
-    import jax
-    import jax.numpy as jnp
-
-    from k3jax.sharding import make_mesh
-    from k3jax.state import restore_model
     if not cfg.checkpoint.load_parameters_path:
         raise C.ConfigError("load_parameters_path is not set; logit_check compares a checkpoint's logits")
     mesh = make_mesh(cfg)
@@ -80,15 +82,11 @@ def model_logits(cfg, tokens: np.ndarray) -> np.ndarray:
         if jax.process_count() == 1:
             logits = _forward()(model, jnp.asarray(tokens))
         else:   # compile first, then start together (runtime.sync_processes)
-            from flax import nnx
-
-            from k3jax.runtime import sync_processes
             gdef, state = nnx.split(model)
             fwd = jax.jit(lambda s, t: nnx.merge(gdef, s)(t)[0]).lower(state, jnp.asarray(tokens)).compile()
             sync_processes("compiled the logit_check forward")
             logits = fwd(state, jnp.asarray(tokens))
     if not logits.is_fully_addressable:   # several processes: every one gets the whole array
-        from jax.experimental import multihost_utils
         logits = multihost_utils.process_allgather(logits, tiled=True)
     return np.asarray(logits, np.float32)
 
@@ -96,7 +94,6 @@ def model_logits(cfg, tokens: np.ndarray) -> np.ndarray:
 @functools.cache
 def _forward():
     """One jitted forward per process, so repeated checks of one model shape compile once."""
-    from flax import nnx
     return nnx.jit(lambda m, t: m(t)[0])
 
 

@@ -1,5 +1,6 @@
 """Shared set-up of the entry points: the process (multi-host, before any device is touched) and
-the tokenizer.
+the tokenizer. (Which platforms jax starts on is chosen earlier, when k3jax is imported:
+``k3jax.jax_platforms``.)
 
 Tokenizer policy: a tool reads ``tokenizer_path`` when it is given, else the tokenizer recorded
 with the weights of ``load_parameters_path`` (a converter output holds it beside ``params``; a
@@ -10,72 +11,20 @@ vocabulary, so its checkpoints decode like any other.
 """
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-# Variables a TPU VM or a GKE TPU pod sets for libtpu (and jax's own switch): a user who sets one
-# means to use a TPU. (TPU_SKIP_MDS_QUERY is not one: jax sets it itself where it finds no TPU.)
-TPU_ENV_VARS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_TOPOLOGY",
-                "TPU_HOST_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_PROCESS_BOUNDS",
-                "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", "JAX_FORCE_TPU_INIT")
-NVIDIA_DEVICES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg")
+import jax
+from orbax.checkpoint import multihost
 
-
-def tpu_chips() -> int:
-    """TPU chips on this host's PCI bus, counted as jax counts them before it starts libtpu."""
-    from jax._src import hardware_utils
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
-
-
-def tpu_visible(environ=os.environ, root: str = "/", chips=tpu_chips) -> bool:
-    """Whether this host shows a TPU: a TPU environment variable, a /dev/accel* device (TPU v2-v4)
-    or TPU chips on the PCI bus (every generation; v5 and later attach through vfio)."""
-    if any(v in environ for v in TPU_ENV_VARS):
-        return True
-    return bool(glob.glob(os.path.join(root, "dev", "accel*"))) or chips() > 0
-
-
-def default_platforms(environ=os.environ, root: str = "/", chips=tpu_chips) -> str | None:
-    """The JAX_PLATFORMS a tool sets for itself when the user set none, or None to leave jax's own
-    choice: with libtpu installed and no TPU on the host, jax would start libtpu anyway (its start-up
-    errors on stderr and ~0.5 s) before falling back, so "cpu", or "cuda,cpu" where an NVIDIA GPU
-    and jax's CUDA plugin are both present. A host with a TPU, or without libtpu, is left alone, as
-    is one with a GPU but no CUDA plugin (jax then says so itself)."""
-    if environ.get("JAX_PLATFORMS") or environ.get("JAX_PLATFORM_NAME"):
-        return None
-    if not _installed("libtpu") or tpu_visible(environ, root, chips):
-        return None
-    if any(os.path.exists(os.path.join(root, d)) for d in NVIDIA_DEVICES):
-        return "cuda,cpu" if any(_installed(f"jax_plugins.xla_cuda{v}") for v in (13, 12)) else None
-    return "cpu"
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:      # its parent package is missing
-        return False
-
-
-def quiet_cpu_start() -> None:
-    """Set JAX_PLATFORMS to ``default_platforms()`` when the user set none (``import k3jax`` calls
-    this, before any tool touches a device): a CPU host with libtpu installed starts quietly on its
-    CPU, while a TPU host still uses its TPU. Ahead-of-time TPU compiles (k3jax.compile / plan) load
-    libtpu for the topology themselves and need no TPU backend. Too late once jax's backends are up."""
-    platforms = default_platforms()
-    if platforms is None:
-        return
-    import jax                   # already imported by tpu_chips; it read its environment then
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
-        return
-    jax.config.update("jax_platforms", platforms)
-    os.environ["JAX_PLATFORMS"] = platforms      # and for the processes this one starts
-
+from k3jax import paths
+from k3jax.checkpoint import CheckpointError
+from k3jax.data import tiny_tokenizer
+from k3jax.data.tokenizer import KimiTokenizer, TokenizerError
+from k3jax.schema import ConfigError
+from k3jax.sharding import maybe_initialize_distributed
 
 # The files of a Kimi tokenizer directory a run records (those present are copied).
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -87,9 +36,6 @@ def prepare(cfg) -> None:
     compilation cache (``jax_cache_dir``), then the multi-process job (``enable_distributed``).
     In a job of several processes only process 0 prints (its stdout is the job's log; the others'
     stdout goes to /dev/null, their stderr, where errors go, stays). Idempotent."""
-    import jax
-
-    from k3jax.sharding import maybe_initialize_distributed
     if cfg.mesh.jax_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cfg.mesh.jax_cache_dir)
     maybe_initialize_distributed(cfg)
@@ -102,10 +48,8 @@ def sync_processes(name: str, timeout_s: int = 3600) -> None:
     device collective; nothing in one process). Called after compiling: hosts finish compiling at
     different times (a compilation-cache hit on one, a compile on another), and the CPU collectives
     (gloo) give a peer only 30 s to join a collective's first use."""
-    import jax
     if jax.process_count() == 1:
         return
-    from orbax.checkpoint import multihost
     multihost.get_barrier_sync_fn()(key=f"k3jax: {name}", timeout_ms=timeout_s * 1000)
 
 
@@ -113,7 +57,6 @@ def recorded_tokenizer(path) -> Path | None:
     """The tokenizer recorded with the checkpoint at ``path`` (any form ``load_parameters_path``
     takes: a converter output, a run directory, its ``checkpoints`` directory, a step or a
     ``params`` directory; local or gs://), as a local directory, or None."""
-    from k3jax import paths
     p = paths.path(path, "load_parameters_path")
     if p.name == "params":
         p = p.parent
@@ -129,13 +72,10 @@ def recorded_tokenizer(path) -> Path | None:
 def tokenizer_dir(cfg) -> Path:
     """``tokenizer_path`` (a gs:// one is copied to a local cache), else the tokenizer recorded
     with ``load_parameters_path``; TokenizerError naming both keys when there is neither."""
-    from k3jax import paths
-    from k3jax.data.tokenizer import TokenizerError
     if cfg.data.tokenizer_path:
         return paths.local_dir(cfg.data.tokenizer_path, "tokenizer_path")
     path = cfg.checkpoint.load_parameters_path
     if path and not paths.path(path, "load_parameters_path").exists():
-        from k3jax.checkpoint import CheckpointError
         raise CheckpointError(f"load_parameters_path={path}: no such directory")
     found = recorded_tokenizer(path) if path else None
     if found is not None:
@@ -147,11 +87,9 @@ def tokenizer_dir(cfg) -> Path:
 
 
 def load_tokenizer(cfg, directory: Path | None = None):
-    from k3jax.data.tokenizer import KimiTokenizer
     d = tokenizer_dir(cfg) if directory is None else directory
     tok = KimiTokenizer.from_dir(d)
     if tok.vocab_size > cfg.model.vocab_size:
-        from k3jax.config import ConfigError
         raise ConfigError(f"tokenizer at {d} has {tok.vocab_size} ids but the model's vocab_size is "
                           f"{cfg.model.vocab_size}")
     return tok
@@ -162,9 +100,6 @@ def record_tokenizer(cfg, run_dir, *, write: bool = True):
     gs://): ``tokenizer_path``'s files copied, or, for synthetic data without one, the built-in tiny
     tokenizer sized to the vocabulary. Only a ``write``-ing process (process 0 of a job) records;
     the others build the tiny one in a private temporary directory (it is deterministic)."""
-    from k3jax import paths
-    from k3jax.data import tiny_tokenizer
-    from k3jax.data.tokenizer import TokenizerError
     dst = run_dir / "tokenizer"
     try:
         src = tokenizer_dir(cfg)

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config import MESH_AXES, VOCAB_PARALLEL_AXES, Config, mesh_shape  # noqa: F401 - re-exported
+from k3jax.schema import ConfigError
 from k3jax.validation import stage_sizes
 
 
@@ -261,7 +262,6 @@ def maybe_initialize_distributed(cfg: Config) -> None:
         jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None},
                                    initialization_timeout=m.jax_distributed_initialization_timeout)
     except ValueError as e:   # auto-detection found no cluster (e.g. a plain host without the keys)
-        from k3jax.config import ConfigError
         raise ConfigError(f"enable_distributed=true: {e} JAX found no TPU/GKE cluster to join; set "
                           f"coordinator_address, num_processes and process_id, or launch with "
                           f"scripts/local_pod.sh") from None

@@ -49,6 +49,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from k3jax.sharding import EXPERT_AXIS, param_sharding
+
 STAGE = "stage"
 
 
@@ -142,7 +144,6 @@ def _gathered_specs(state, mesh) -> list[P]:
     without the period axis: the stored placement (k3jax.sharding.param_sharding) with GATHER_AXES
     dropped. Routed-expert weights keep theirs under expert parallelism: the expert-parallel
     shard_map takes them split over the expert axis and gathers their model dimension itself."""
-    from k3jax import sharding as S
     out = []
     for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         axes = v.get_metadata().get("axes") if isinstance(v, nnx.Variable) else None
@@ -150,9 +151,9 @@ def _gathered_specs(state, mesh) -> list[P]:
         if axes is None:
             raise ValueError(f"a period leaf of shape {shape} declares no logical axes; its gathered placement is unknown")
         spec = [(() if a is None else (a,) if isinstance(a, str) else tuple(a))
-                for a in S.param_sharding(mesh, shape, axes).spec[1:]]
+                for a in param_sharding(mesh, shape, axes).spec[1:]]
         spec += [()] * (len(shape) - 1 - len(spec))
-        if not ("exp" in axes and mesh.shape.get(S.EXPERT_AXIS, 1) > 1):
+        if not ("exp" in axes and mesh.shape.get(EXPERT_AXIS, 1) > 1):
             spec = [tuple(a for a in d if a not in GATHER_AXES) for d in spec]
         out.append(P(*[None if not d else d[0] if len(d) == 1 else d for d in spec]))
     return out

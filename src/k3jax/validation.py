@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from k3jax.layout import layout
 from k3jax.schema import MESH_AXES, Config, ConfigError
 
 
@@ -454,7 +455,6 @@ def _validate_pipeline(cfg: Config, num_devices: int | None) -> None:
         raise ConfigError(f"num_pipeline_microbatches={m}: must be positive, or -1 (= the stage count)")
     if s == 1:
         return
-    from k3jax.layout import layout   # pure Python, no jax
     mc, t, mesh = cfg.model, cfg.train, cfg.mesh
     name = f"stage parallelism {s} (ici_stage_parallelism={mesh.ici_stage_parallelism} x dcn_stage_parallelism=" \
            f"{mesh.dcn_stage_parallelism})"

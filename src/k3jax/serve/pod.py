@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from k3jax.data.vision_processor import MediaItem
+
 KINDS = ("stop", "noop", "decode", "prefill", "reset", "save_block", "save_state", "load_block", "load_state", "drop",
          "copy", "prefill_lp", "prefill_media", "drop_media", "prefill_rows", "decode_steps", "vision")
 # steps whose inputs are a few ints (a slot, a position, a prefix cache id)
@@ -173,7 +175,6 @@ class Wire:
 
     def attach(self, step: Step, patches: np.ndarray) -> Step:
         """The tower step as received (its images' grids and token counts) with the patches."""
-        from k3jax.data.vision_processor import MediaItem
         key, bucket, heads = step.args
         items, at = [], 0
         for t, h, w, tokens in heads:
