@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from k3jax.kernels.attention import blocked_attention, causal_attention
+    from k3jax.kernels.attention.prefill import blocked_attention
+    from k3jax.kernels.attention.reference import causal_attention
     from k3jax.kernels.attention.cudnn import cudnn_attention
 
     impls = {"jnp": causal_attention, "blocked": blocked_attention}

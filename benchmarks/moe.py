@@ -33,8 +33,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "src"))  # run as a script without installing
 
-from k3jax.kernels.moe import (  # noqa: E402
-    dispatch_bytes_per_token, moe_capacity, moe_dense_reference, moe_dropless, route)
+from k3jax.kernels.moe.dispatch import moe_capacity, moe_dense_reference, moe_dropless  # noqa: E402
+from k3jax.kernels.moe.expert_parallel import dispatch_bytes_per_token  # noqa: E402
+from k3jax.kernels.moe.routing import route  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.json")
 K3 = dict(d_model=3584, top_k=16, num_experts=896, ep=32, bytes_per_elem=2)

@@ -22,7 +22,9 @@ from safetensors.numpy import load_file
 
 from conversion import vision_map
 from k3jax import config as C
-from k3jax.vision import build_vision, layout_arrays, media_layout, merge_patches
+from k3jax.vision import build_vision, layout_arrays
+from k3jax.vision.layout import media_layout
+from k3jax.vision.tower import merge_patches
 
 ASSET = Path(__file__).parent / "assets" / "kimi_k25_vision_tiny"
 REL_TOL = 1e-5      # max |k3jax - transformers| / max |transformers|, float32 on both sides

@@ -33,7 +33,7 @@ from k3jax.checkpoint import (CheckpointError, load_extra, load_packed_experts, 
 from k3jax.config import ConfigError
 from k3jax.layers.common import REST, Packed, RouterBias
 from k3jax.layout import layout
-from k3jax.optim import init_sharded, make_optimizer, opt_state_shardings
+from k3jax.optim.muon import init_sharded, make_optimizer, opt_state_shardings
 from k3jax.sharding import param_sharding
 from k3jax.stages import reorder_state
 from k3jax.validation import num_stages

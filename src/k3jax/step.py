@@ -20,7 +20,7 @@ from k3jax.kernels.platform import target_platform
 from k3jax.layers.common import REST
 from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_impl, tokamax_context,
                         tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
-from k3jax.optim import qk_clip
+from k3jax.optim.qk_clip import qk_clip
 from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, stage_rows
 from k3jax.vision.splice import slot_loss_mask
 

@@ -26,7 +26,7 @@ from k3jax.errors import UserError
 from k3jax.console import Console, timed_compile
 from k3jax.evaluate import Evaluator, check_eval_data
 from k3jax.metrics import MetricsWriter, peak_tflops_per_device
-from k3jax.optim import make_schedule
+from k3jax.optim.schedule import make_schedule
 from k3jax.preemption import EXIT_STATUS as PREEMPTED_EXIT, Preemption
 from k3jax.profiler import Profiler
 from k3jax.runtime import record_tokenizer, sync_processes

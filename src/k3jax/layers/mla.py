@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.kernels.attention import get_attention_fn, latent_attention
+from k3jax.kernels.attention import get_attention_fn
+from k3jax.kernels.attention.decode import latent_attention
 from k3jax.layers import context as CP
 from k3jax.layers.common import ones, param, rms_norm
 from k3jax.layers.rope import apply_rope, softmax_scale

@@ -4,6 +4,8 @@ layout.py     host-side numpy from grid_thw: segment ids, RoPE positions, positi
               merge gather (everything shape-dependent, so the device sees bucketed shapes)
 attention.py  bidirectional attention within each media item of a packed sequence (segment ids)
 tower.py      VisionTower, Projector, VisionEncoder (both under the checkpoint's roots)
+splice.py     the features spliced into the token embeddings, no loss on targets that are media
+              slots (the device half of media in the text model; the host half is k3jax.data.media)
 
 Imports config/schema, sharding, kernels and layers.common; nothing there imports this package.
 """
@@ -15,9 +17,8 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers.common import CountingSampler, FlatSampler
-
-from k3jax.vision.layout import ARRAY_KEYS, counts, media_layout  # noqa: F401
-from k3jax.vision.tower import Projector, VisionEncoder, VisionTower, merge_patches  # noqa: F401
+from k3jax.vision.layout import ARRAY_KEYS, media_layout
+from k3jax.vision.tower import VisionEncoder
 
 
 FLAT_INIT_MAX_PARAMS = 2 ** 28   # as k3jax.model: below this, init draws from two flat buffers
