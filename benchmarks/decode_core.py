@@ -39,18 +39,26 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 BASELINE = "d169a77"   # the last revision whose k3jax/decode.py holds the while_loop generate
 
 
-def baseline_generate(rev: str):
-    """The ``generate`` of k3jax/decode.py at ``rev``, its sampling import pointed at the module's
-    new home (the function itself unchanged)."""
-    src = subprocess.run(["git", "show", f"{rev}:src/k3jax/decode.py"], cwd=REPO, capture_output=True, text=True,
+def _module_at(rev: str, path: str, name: str, replace=()):
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
-    src = src.replace("from k3jax.sampling import sample", "from k3jax.inference.sampling import sample")
-    path = pathlib.Path(tempfile.mkdtemp()) / "decode_baseline.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("decode_baseline", path)
+    for a, b in replace:
+        src = src.replace(a, b)
+    file = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, file)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
-    return mod.generate
+    return mod
+
+
+def baseline_generate(rev: str):
+    """The ``generate`` of k3jax/decode.py at ``rev``, with that revision's k3jax/sampling.py (both
+    read from git, unchanged but for the one import that names the other)."""
+    _module_at(rev, "src/k3jax/sampling.py", "sampling_baseline")
+    return _module_at(rev, "src/k3jax/decode.py", "decode_baseline",
+                      [("from k3jax.sampling import sample", "from sampling_baseline import sample")]).generate
 
 
 def main(argv=None) -> int:

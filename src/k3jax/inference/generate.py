@@ -85,7 +85,7 @@ def programs_for(model, *, batch: int, length: int, chunk: int, rows: int, steps
             progs.update_weights(params, rest)
         return progs, False
     progs = Programs(model, mesh, slots=batch, length=length, chunk=chunk, decode_sizes=[batch],
-                     prefill_rows=rows, decode_steps=steps, media=media)
+                     prefill_rows=rows, decode_steps=steps, media=media, top_logprobs=0)
     progs._one["reset"]        # compiled with the rest of the first call: a reuse resets its slots
     cached[spec] = progs
     while len(cached) > PROGRAMS_PER_MODEL:

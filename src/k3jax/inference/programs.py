@@ -120,9 +120,12 @@ class Programs(MediaPrograms, PrefixPrograms):
     """
 
     def __init__(self, model, mesh, *, slots: int, length: int, chunk: int, decode_sizes=None, prefix_block: int = 0,
-                 media=None, prefill_rows: int = 1, decode_steps: int = 1, compile_fn=None):
+                 media=None, prefill_rows: int = 1, decode_steps: int = 1, compile_fn=None,
+                 top_logprobs: int = TOP_LOGPROBS):
         """``media``: (ProcessorConfig, ``<|media_pad|>`` id) of a vision model; None = text only.
         ``prefill_rows``: most prompts one prefill step takes (``serve_prefill_batch``).
+        ``top_logprobs``: alternatives each step returns (0: none, and no top-k over the vocabulary
+        in the step; ``generate``, which reports none).
         ``compile_fn(lowered) -> compiled``: how a program compiles (default ``lowered.compile()``);
         with it, ``model`` may be abstract (``jax.ShapeDtypeStruct`` leaves with shardings, e.g. a
         TPU topology's mesh from a CPU host: ``k3jax.compile``), and then no cache is allocated and
@@ -131,6 +134,7 @@ class Programs(MediaPrograms, PrefixPrograms):
         self.buckets = prefill_buckets(chunk)
         self.row_sizes = row_buckets(prefill_rows, slots)
         self.steps = decode_steps           # tokens per decode_steps call
+        self.top_logprobs = top_logprobs
         self.decode_sizes = decode_buckets(slots, decode_sizes)
         # A block as long as the context could never be reused (a hit leaves >= 1 token to prefill).
         self.prefix_block = prefix_block if 0 < prefix_block < length else 0
@@ -364,9 +368,8 @@ class Programs(MediaPrograms, PrefixPrograms):
         return [jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, ax), dst, ax)
                 for x, ax in zip(cache, self._batch_axis)]
 
-    @staticmethod
-    def _k(logits):
-        return min(TOP_LOGPROBS, logits.shape[-1])
+    def _k(self, logits):
+        return min(self.top_logprobs, logits.shape[-1])
 
     # -- compilation ----------------------------------------------------------------------------
     def _decode_args(self, n):

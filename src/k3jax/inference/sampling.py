@@ -1,7 +1,7 @@
 """Next-token choice from logits, per row: greedy, temperature, top-k, top-p, and log-probabilities.
 
 Every parameter is an array over the rows, so one compiled program serves a batch whose rows want
-different sampling (the server's slots) as well as a batch that shares one setting (``generate``).
+different sampling (the server's slots, ``generate``'s rows, RL's samples).
 Each row draws from its own key: a row's samples depend only on its key and its logits, never on
 which other rows share the step.
 """
@@ -93,21 +93,13 @@ def sample_rows_lp(logits, keys, temperature, top_k, top_p, ban=None):
     return jnp.where(hot, drawn, first), jnp.where(hot, lp, 0.0)
 
 
-def sample(logits, key, *, greedy: bool, temperature: float, top_k: int, top_p: float):
-    """logits [B,V] f32 and one key for the batch, one setting for every row -> token ids [B]."""
-    if greedy:
-        return argmax_rows(logits)
-    b = logits.shape[0]
-    full = lambda v, dt: jnp.full((b,), v, dt)  # noqa: E731
-    return sample_rows(logits, jax.random.split(key, b), full(max(temperature, 1e-6), jnp.float32),
-                       full(top_k, jnp.int32), full(top_p, jnp.float32))
-
-
 def logprobs(logits, tokens, k: int):
     """Log-probabilities under the model's distribution (softmax of the raw logits, before any
     temperature or truncation, as OpenAI-compatible servers report them): logits [B,V] f32, the
     chosen tokens [B] -> (chosen [B] f32, top ids [B,k] int32, top log-probabilities [B,k] f32)."""
     lp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if k == 0:       # no alternatives asked for: skip the top-k over the vocabulary
+        return chosen, jnp.zeros((*tokens.shape, 0), jnp.int32), jnp.zeros((*tokens.shape, 0), lp.dtype)
     top_lp, top_ids = jax.lax.top_k(lp, k)
     return chosen, top_ids.astype(jnp.int32), top_lp
