@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import re
 import shutil
 import sys
 from pathlib import Path
 
+import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import paths
 from k3jax.errors import UserError
@@ -45,7 +50,6 @@ def _restore_args(abstract):
 class Checkpointer:
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True,
                  with_data: bool = True):
-        import grain
         self.directory = _absolute(paths.path(str(directory), "checkpoint directory"))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "extra": ocp.StandardCheckpointHandler()}
@@ -79,7 +83,6 @@ class Checkpointer:
         device-to-host copies of all arrays unless ``save_device_host_concurrent_bytes`` is set, which
         these handlers do not), so the caller may donate or delete them: the train step does, and so
         does the permutation back to the pipeline's order (k3jax.train)."""
-        import grain
         args = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state)}
         if jax.tree.leaves(extra):      # a model without MoE layers has no router biases: no item
             args["extra"] = ocp.args.StandardSave(extra)
@@ -118,7 +121,6 @@ class Checkpointer:
         """The data shard (index, count) of each process's iterator state of ``step``, by process
         index, as saved by as many processes as this run has (None when they were not). States saved
         before they named their shard are their process's own."""
-        import json
         n = jax.process_count()
         out = []
         for i in range(n):
@@ -138,7 +140,6 @@ class Checkpointer:
         single process's iterator's); otherwise (an elastic restart, or a context axis that now
         spans hosts or no longer does) ``data_restored`` is False and the caller repositions the
         iterator. Every process decides alike from the same files, without talking to the others."""
-        import grain
         args = {"params": ocp.args.StandardRestore(abstract_params),
                 "opt_state": ocp.args.StandardRestore(abstract_opt_state)}
         if jax.tree.leaves(abstract_extra):
@@ -194,7 +195,6 @@ def save_weights(directory: str | Path, params, extra, step: int = 0) -> Path:
     """A checkpoint for inference only (what ``load_parameters_path`` reads: decode, serve,
     evaluate): ``params`` and ``extra`` as step ``step`` of ``directory``. Orbax refuses an empty
     item, so the optimizer state is a marker. -> the step's directory."""
-    import numpy as np
     ckpt = Checkpointer(directory, async_save=False, with_data=False)
     ckpt.save(step, params, {"none": np.zeros((), np.int32)}, extra, force=True)
     ckpt.close()
@@ -400,10 +400,6 @@ def load_packed_experts(path: str | Path, abstract_packed):
     them K-major ([..., E, in/2, out], kernels/moe/quantized.py). Each leaf is read sharded as
     the model's leaf is (its last two mesh axes swapped) and transposed on its devices: the bytes
     stay packed throughout."""
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     d = packed_experts_dir(path)
     flat = nnx.to_flat_state(abstract_packed)
     target, where = {}, {}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+import jax
+
 from k3jax import config as C
 from k3jax.errors import guard, usage, wants_help
 from k3jax.runtime import prepare
@@ -32,7 +34,6 @@ def run_tool(tool: str, body: Callable, argv: list[str] | None, doc: str | None 
         cfg = C.load_from_argv(argv)
         prepare(cfg)
         if local_devices:
-            import jax
             devices = jax.devices()
             C.validate(cfg, num_devices=len(devices), platform=devices[0].platform)
         return body(cfg)

@@ -64,7 +64,7 @@ def quiet_cpu_start() -> None:
     if platforms is None:
         return
     import jax                   # already imported by tpu_chips; it read its environment then
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # lazy, as jax above (module docstring)
     if xla_bridge.backends_are_initialized():
         return
     jax.config.update("jax_platforms", platforms)

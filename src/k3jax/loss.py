@@ -233,7 +233,7 @@ def tokamax_context(implementation: str):
     from the mesh's platform). A no-op for the XLA implementation."""
     if implementation != "mosaic_tpu":
         return contextlib.nullcontext()
-    import tokamax
+    import tokamax  # lazy: a slow import (seconds), paid only when a tokamax implementation runs
     return tokamax.config.cross_compile(True)
 
 
@@ -266,7 +266,7 @@ def tokamax_cross_entropy(h, w, targets, mask, *, implementation: str, row_axes:
     device returns its partial sums as one entry of a vector summed outside, so there is no
     collective inside the map to transpose.
     """
-    import tokamax
+    import tokamax  # lazy: a slow import (seconds), paid only when a tokamax implementation runs
     if implementation == "chunked_xla" and w.shape[1] % TOKAMAX_XLA_VOCAB_MULTIPLE:
         raise ValueError(f"tokamax's chunked_xla loss needs a vocabulary that is a multiple of "
                          f"{TOKAMAX_XLA_VOCAB_MULTIPLE}, got {w.shape[1]} (it lets padded logits into the softmax)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,7 +77,6 @@ class MetricsWriter:
         self.remote = run_dir if paths.is_remote(run_dir) else None
         self.sync_seconds, self.last_sync = sync_seconds, time.monotonic()
         if self.remote is not None:
-            import tempfile
             local = Path(tempfile.mkdtemp(prefix="k3jax-metrics-"))
             if (run_dir / "metrics.jsonl").exists():
                 (local / "metrics.jsonl").write_bytes((run_dir / "metrics.jsonl").read_bytes())
@@ -87,7 +87,7 @@ class MetricsWriter:
         self.file = self.path.open("a")
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                from tensorboardX import SummaryWriter  # optional here: without it, TensorBoard logging is off
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 print("note: tensorboardX is not installed; TensorBoard logging is off", file=sys.stderr)

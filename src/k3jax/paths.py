@@ -15,9 +15,13 @@ folder named ``s3:``. Clients find a GCS emulator through the standard ``STORAGE
 """
 from __future__ import annotations
 
+import glob as _glob
 import hashlib
 import os
 from pathlib import Path
+
+import fsspec
+from etils import epath
 
 from k3jax.config import ConfigError, check_path_scheme
 
@@ -43,7 +47,6 @@ def path(p, key: str = "path"):
     check(p, key)
     s = str(p)
     if is_remote(s):
-        from etils import epath
         return epath.Path(s)
     if s.startswith("file://"):
         s = s[len("file://"):]
@@ -51,7 +54,6 @@ def path(p, key: str = "path"):
 
 
 def _fs():
-    import fsspec
     return fsspec.filesystem("gs")
 
 
@@ -59,7 +61,6 @@ def glob(pattern: str, key: str = "path") -> list[str]:
     """Files matching ``pattern`` (``**`` recursive), sorted; gs:// results keep their scheme."""
     check(pattern, key)
     if not is_remote(pattern):
-        import glob as _glob
         p = os.path.expanduser(pattern[len("file://"):] if pattern.startswith("file://") else pattern)
         return sorted(f for f in _glob.glob(p, recursive=True) if os.path.isfile(f))
     found = _fs().glob(pattern, detail=True)

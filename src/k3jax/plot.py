@@ -51,7 +51,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the curves of ``run_dir`` to ``out`` (default ``<run dir>/curves.png``); returns the path."""
-    import matplotlib
+    import matplotlib  # optional (the dev extra): only drawing curves needs it
     matplotlib.use("Agg")  # before pyplot: headless hosts and CI have no display
     import matplotlib.pyplot as plt
 

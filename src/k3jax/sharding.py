@@ -15,6 +15,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config import MESH_AXES, VOCAB_PARALLEL_AXES, Config, mesh_shape  # noqa: F401 - re-exported
@@ -230,7 +231,6 @@ def make_mesh(cfg: Config, devices: Sequence | None = None) -> Mesh:
         names = (STAGE_AXIS,) + MESH_AXES
         ici, dcn = {STAGE_AXIS: ici_stage, **ici}, {STAGE_AXIS: dcn_stage, **dcn}
     if num_slices > 1:
-        from jax.experimental import mesh_utils
         arr = mesh_utils.create_hybrid_device_mesh([ici[a] for a in names], [dcn[a] for a in names],
                                                    devices=devices)
         return Mesh(arr, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))

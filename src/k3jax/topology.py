@@ -162,7 +162,7 @@ def devices(topo: Topology, num_slices: int = 1):
     """The (virtual) TPU devices of ``num_slices`` slices of ``topo`` (each device carries its
     ``slice_index``); raises RuntimeError when libtpu is unavailable."""
     _harmless_env()
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # lazy: only ahead-of-time compiles need it (after _harmless_env)
     extra = {"num_slices": num_slices} if num_slices > 1 else {}
     try:
         desc = topologies.get_topology_desc(topology_name=topo.libtpu_name, platform="tpu", **extra)

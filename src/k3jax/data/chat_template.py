@@ -197,6 +197,7 @@ def _render_jinja(template: str, messages, *, add_generation_prompt: bool, tools
     """transformers' renderer (the engine behind `apply_chat_template`: an immutable sandboxed
     jinja2 environment, so a template can call no Python beyond its filters) on a template string;
     `kwargs` become template variables (e.g. K2.5's `thinking`)."""
+    # lazy: transformers is a slow import (seconds), needed only for a checkpoint's K2-family jinja template
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(conversations=[list(messages)], tools=list(tools) if tools else None,

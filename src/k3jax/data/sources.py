@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow.parquet as pq
 from grain.sources import RandomAccessDataSource
 
 from k3jax import paths as _paths
@@ -148,8 +149,6 @@ class ParquetSource(RandomAccessDataSource):
     _CACHE_GROUPS = 4
 
     def __init__(self, paths: str | Sequence[str], column: str = "text"):
-        import pyarrow.parquet as pq
-
         self.files = expand_paths(paths)
         self.column = column
         self._groups: list[tuple[int, int]] = []  # (file index, row group) in global order
@@ -179,8 +178,6 @@ class ParquetSource(RandomAccessDataSource):
             if rows is not None:
                 self._cache[gi] = rows  # re-insert: most recently used last
                 return rows
-        import pyarrow.parquet as pq
-
         fi, g = self._groups[gi]
         table = pq.ParquetFile(_paths.open_binary(self.files[fi])).read_row_group(g, columns=[self.column])
         rows = table.column(0).to_pylist()
@@ -221,6 +218,7 @@ class ArrayRecordSource(RandomAccessDataSource):
     """
 
     def __init__(self, paths: str | Sequence[str]):
+        # lazy: grain installs array_record on every platform but Windows; only ArrayRecord sources need it
         from array_record.python.array_record_module import ArrayRecordReader
         from grain.sources import ArrayRecordDataSource
 

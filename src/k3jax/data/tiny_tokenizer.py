@@ -21,6 +21,7 @@ import base64
 import collections
 import json
 import os
+import sys
 
 import regex
 
@@ -275,7 +276,6 @@ def build(out_dir: str | os.PathLike, *, vocab_size: int = 1024, num_reserved: i
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m k3jax.data.tiny_tokenizer [--k3] OUT_DIR [VOCAB_SIZE [NUM_RESERVED]]` (--k3: K3's names)."""
-    import sys
     args = sys.argv[1:] if argv is None else argv
     family = "k3" if "--k3" in args else "k2"
     args = [a for a in args if a != "--k3"]

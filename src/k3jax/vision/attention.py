@@ -48,6 +48,7 @@ SPLASH_BLOCK = 128   # splash's default block sizes; the sequence is padded to a
 def splash_segment_attention(q, k, v, segment_ids, *, scale: float, interpret: bool = False):
     """Same contract as ``blocked_segment_attention`` on TPU splash attention (``interpret`` runs the
     Pallas kernel in the interpreter, for CPU tests)."""
+    # lazy: the Pallas TPU kernel modules cost about a second to import; only the splash path needs them
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     n, h, dh = q.shape

@@ -41,7 +41,7 @@ def _max_logits_blockwise(q, k, segment_ids, scale: float, block: int = 512):
 def tokamax_attention(q, k, v, segment_ids, *, scale: float):
     """tokamax ``dot_product_attention`` (splash/flash kernels on TPU, XLA elsewhere) with a
     document mask; the max-logit statistic comes from a blockwise pass without gradients."""
-    import tokamax
+    import tokamax  # lazy: a slow import (seconds), paid only when a tokamax implementation runs
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     o = tokamax.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True)
     return o.astype(v.dtype), _max_logits_blockwise(q, k, segment_ids, scale)

@@ -65,7 +65,7 @@ def kda_tokamax(q, k, v, f, beta, *, a_log, dt_bias, lower_bound: float, scale: 
     Returns:
       o [B, T, H, V] in v.dtype and the final state [B, H, K, V] float32.
     """
-    import tokamax
+    import tokamax  # lazy: a slow import (seconds), paid only when a tokamax implementation runs
 
     check_inputs(q, k, v, f, beta, initial_state, segment_ids)
     if implementation not in TOKAMAX_IMPLEMENTATIONS:

@@ -104,7 +104,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
 
 
 def _tokamax(lhs, rhs, group_sizes, preferred_element_type):
-    import tokamax
+    import tokamax  # lazy: a slow import (seconds), paid only when a tokamax implementation runs
     impl = "mosaic_tpu" if target_platform() == "tpu" else "xla"
     m = lhs.shape[0]
     if impl == "mosaic_tpu":
