@@ -437,7 +437,7 @@ def test_mm_sft_batches_carry_their_images_in_pad_order(mm):
     answers, shapes fixed by the per-row patch bucket (a text-only row and batch included)."""
     from k3jax.data.vision_processor import process_image
     from k3jax.data.media import media_token_ids
-    from k3jax.vision.layout import DROP
+    from k3jax.data.media_layout import DROP
     recs = [_conv(["img/a.png", "img/b.png"], "<image> and <image>: same?", "no"),
             _conv([], "plain text", "yes"),
             _conv(["img/c.png"], "what is <image>?", "noise"),

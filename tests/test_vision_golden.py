@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 from conversion import vision_map
 from k3jax import config as C
 from k3jax.vision import build_vision, layout_arrays
-from k3jax.vision.layout import media_layout
+from k3jax.data.media_layout import media_layout
 from k3jax.vision.tower import merge_patches
 
 ASSET = Path(__file__).parent / "assets" / "kimi_k25_vision_tiny"
@@ -225,7 +225,7 @@ def test_full_logits_of_the_converted_model_match_transformers(tmp_path):
     from conversion.hf_to_k3jax import convert
     from k3jax.sharding import make_mesh
     from k3jax.state import restore_model
-    from k3jax.vision.layout import DROP
+    from k3jax.data.media_layout import DROP
     convert(str(ASSET), str(tmp_path / "ckpt"), progress=False)
     cfg = C.load(C.REPO_CONFIGS / "base.yml", [f"model_name={tmp_path / 'ckpt' / 'model.yml'}",
                                                f"load_parameters_path={tmp_path / 'ckpt'}", "weight_dtype=float32",

@@ -20,7 +20,7 @@ from k3jax.data.vision_processor import VisionInputError, from_config, process_i
 from k3jax.inference.generate import generate
 from k3jax.layers.common import REST
 from k3jax.data.media import media_inputs, media_loss_mask, media_token_ids
-from k3jax.vision.layout import DROP
+from k3jax.data.media_layout import DROP
 from k3jax.optim import make_optimizer
 from k3jax.runtime import load_tokenizer
 from k3jax.step import make_train_step

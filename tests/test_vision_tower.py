@@ -15,10 +15,10 @@ from k3jax import config as C
 from k3jax import sharding as S
 from k3jax.schema import ConfigError
 from k3jax.vision import build_vision, encode_media, layout_arrays
-from k3jax.vision.layout import media_layout
+from k3jax.data.media_layout import media_layout
 from k3jax.vision.tower import merge_patches
 from k3jax.vision.attention import blocked_segment_attention, splash_segment_attention
-from k3jax.vision.layout import resample_taps
+from k3jax.data.media_layout import resample_taps
 
 BASE = C.REPO_CONFIGS / "base.yml"
 TINY = ["vision_enabled=true", "hidden_size=48", "vision_attention_block=32"]

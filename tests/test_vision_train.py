@@ -15,14 +15,14 @@ from k3jax import counts
 from k3jax import model as M
 from k3jax.layers.common import REST
 from k3jax.data.media import pad_grouped
-from k3jax.vision.layout import DROP
+from k3jax.data.media_layout import DROP
 from k3jax.vision.splice import slot_loss_mask, splice
 from k3jax.optim import frozen_mask, make_optimizer, param_labels
 from k3jax.optim.muon import FREEZE_GROUPS, variables_by_path
 from k3jax.state import abstract_state
 from k3jax.step import make_train_step
 from k3jax.vision import build_vision, layout_arrays
-from k3jax.vision.layout import media_layout
+from k3jax.data.media_layout import media_layout
 
 # one MLA layer and a dense FFN (as tests/test_vision_model.py): the vision side is what is tested
 TEXT = ["model_name=tiny", "vocab_size=256", "num_layers=1", "mla_extra_layers=[0]", "first_k_dense=1",

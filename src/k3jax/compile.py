@@ -46,7 +46,7 @@ from k3jax.inference.programs import Programs
 from k3jax.sharding import batch_sharding, make_mesh, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
-from k3jax.vision.layout import ARRAY_KEYS, media_layout
+from k3jax.data.media_layout import ARRAY_KEYS, media_layout
 
 
 class DoesNotFit(RuntimeError):

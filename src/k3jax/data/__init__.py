@@ -1,7 +1,10 @@
-"""Input side of k3jax: Kimi tokenizer, chat template, SFT rendering and grain pipelines.
+"""Input side of k3jax: Kimi tokenizer, chat template, SFT rendering and grain pipelines, the
+image processor and the host half of media in the text model (media.py, media_layout.py), and the
+training batches of a config (iterator.py).
 
-Pure Python / numpy / grain; jax is only asked for the host's process index when the caller
-does not pass one. See docs/data.md.
+Python / numpy / grain on the host; jax is asked for the host's process index when the caller does
+not pass one, and turns packed media into device arrays (``media.MediaInputs.arrays``); the device
+half of media is k3jax.vision.splice. See docs/data.md.
 """
 from k3jax.data.chat_template import (DEFAULT_SYSTEM, read_chat_template, render,
                                       render_text, render_with_jinja)

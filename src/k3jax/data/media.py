@@ -9,11 +9,11 @@ and the j-th pad of the batch (row-major over rows, then positions) takes featur
 ``MediaInputs`` (numpy, built by ``media_inputs``) holds everything the device needs, at shapes
 fixed by the patch bucket alone:
 
-- ``patches`` [N, 3*p*p] and the ``k3jax.vision.layout`` arrays of the packed media (N = the
+- ``patches`` [N, 3*p*p] and the ``k3jax.data.media_layout`` arrays of the packed media (N = the
   patch bucket, padding rows in their own segment);
 - ``slots`` [M] int32: the flat position (row * T + column) of each merged token's pad in the
   token batch [B, T], M = N // k^2 (the most tokens N patches can make); the padding tokens' slot
-  is ``DROP`` (``k3jax.vision.layout``), past any batch, so the scatter drops them (``mode="drop"``).
+  is ``DROP`` (``k3jax.data.media_layout``), past any batch, so the scatter drops them (``mode="drop"``).
 
 So every image set whose packed patches fit the same bucket runs one compiled program. The model
 (``K3Model.embed_media``) runs the tower once on the packed media and scatters the projected rows
@@ -37,7 +37,7 @@ import numpy as np
 from k3jax import paths
 from k3jax.data.vision_processor import (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, MediaItem,
                                          VisionInputError, load_image, patch_bucket)
-from k3jax.vision.layout import ARRAY_KEYS, DROP, media_layout
+from k3jax.data.media_layout import ARRAY_KEYS, DROP, media_layout
 
 MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
 
@@ -46,7 +46,7 @@ MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
 class MediaInputs:
     """The device inputs of a batch's media (module docstring)."""
     patches: np.ndarray                  # float32 [N, 3*p*p]
-    layout: dict                         # ARRAY_KEYS -> numpy arrays (k3jax.vision.layout)
+    layout: dict                         # ARRAY_KEYS -> numpy arrays (k3jax.data.media_layout)
     slots: np.ndarray                    # int32 [M]
 
     def arrays(self) -> dict:

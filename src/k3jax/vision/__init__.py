@@ -1,13 +1,14 @@
 """The vision side of Kimi K2.5 / K3 (docs/vision.md): the MoonViT3d tower and the projector.
 
-layout.py     host-side numpy from grid_thw: segment ids, RoPE positions, position-table taps,
-              merge gather (everything shape-dependent, so the device sees bucketed shapes)
 attention.py  bidirectional attention within each media item of a packed sequence (segment ids)
 tower.py      VisionTower, Projector, VisionEncoder (both under the checkpoint's roots)
 splice.py     the features spliced into the token embeddings, no loss on targets that are media
               slots (the device half of media in the text model; the host half is k3jax.data.media)
 
-Imports config/schema, sharding, kernels and layers.common; nothing there imports this package.
+The host-side arrays the tower reads (segment ids, RoPE positions, position-table taps, merge
+gather: everything shape-dependent, so the device sees bucketed shapes) are computed from grid_thw
+by k3jax.data.media_layout. Imports config/schema, sharding, kernels, layers.common and
+data.media_layout; nothing there imports this package.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers.common import CountingSampler, FlatSampler
-from k3jax.vision.layout import ARRAY_KEYS, media_layout
+from k3jax.data.media_layout import ARRAY_KEYS, media_layout
 from k3jax.vision.tower import VisionEncoder
 
 

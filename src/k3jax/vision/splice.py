@@ -3,7 +3,7 @@ into the token embeddings, and no loss on targets that are media slots.
 
 The host half (``k3jax.data.media``) packs a batch's media and gives the ``slots``: flat positions
 [M] in the token batch [B, T] (row * T + column), or, grouped per row, positions within each row
-[B, M]; a padding token's slot is ``DROP`` (``k3jax.vision.layout``), past any batch, so every
+[B, M]; a padding token's slot is ``DROP`` (``k3jax.data.media_layout``), past any batch, so every
 scatter here drops it (``mode="drop"``).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.vision.layout import DROP
+from k3jax.data.media_layout import DROP
 
 
 def splice(x, features, slots):

@@ -3,7 +3,7 @@ fused qkv and 2-D RoPE, bidirectional attention per media item, final norm, the 
 merge and the ``patchmerger`` (K2.5) / ``patchmergerv2`` (K3) projectors.
 
 Inputs are a packed patch sequence [N, 3*p*p] (each patch flattened (c, y, x)) and the numpy
-layout of ``k3jax.vision.layout.media_layout``; every shape is fixed by (N, merged token count).
+layout of ``k3jax.data.media_layout.media_layout``; every shape is fixed by (N, merged token count).
 Weights are stored [in, out] like the text layers; the q/k columns of ``wqkv`` keep the
 checkpoint's interleaved RoPE pairs (pair p = columns 2p, 2p+1 of a head). Parameter names
 follow the released checkpoint's (§6) so a converter maps them one to one.
@@ -18,7 +18,7 @@ from flax import nnx
 from k3jax.layers.common import ones, param, zeros
 from k3jax.sharding import BATCH_AXES
 from k3jax.vision.attention import segment_attention
-from k3jax.vision.layout import ARRAY_KEYS, temporal_table
+from k3jax.data.media_layout import ARRAY_KEYS, temporal_table
 
 
 class Norm(nnx.Module):
