@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.kernels.kda import kda_reference
+from k3jax.kernels.kda.reference import kda_reference
 from xla_flags import TEST_COMPILE_FLAGS
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2

@@ -19,9 +19,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import F32_TOL, assert_close, make_inputs, rel, run, run_reference
 
-from k3jax.kernels.attention import causal_attention
+from k3jax.kernels.attention.reference import causal_attention
 from k3jax.kernels.attention.context_parallel import mla_context_parallel_attention
-from k3jax.kernels.kda import kda_chunked, short_conv
+from k3jax.kernels.kda.chunked import kda_chunked
+from k3jax.kernels.kda.decode import short_conv
 from k3jax.kernels.kda.context_parallel import kda_context_parallel, short_conv_context_parallel
 
 N = 8                                                  # context shards

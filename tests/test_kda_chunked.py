@@ -17,7 +17,7 @@ import pytest
 
 from helpers import BF16_TOL, F32_TOL, assert_close, make_inputs, rel, run, run_reference
 
-from k3jax.kernels.kda import kda_chunked
+from k3jax.kernels.kda.chunked import kda_chunked
 from k3jax.kernels.kda.chunked import chunked_flops_per_token
 from k3jax.kernels.kda.intra import midpoint_block
 

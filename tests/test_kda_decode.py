@@ -9,7 +9,8 @@ import numpy as np
 
 from helpers import make_inputs, rel
 
-from k3jax.kernels.kda import kda_chunked, kda_decode_step, short_conv, short_conv_step
+from k3jax.kernels.kda.chunked import kda_chunked
+from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
 
 
 def _f32(*xs):

@@ -17,7 +17,8 @@ import pytest
 from helpers import BF16_TOL, F32_TOL, assert_close, make_inputs, run, run_reference
 from tpu_aot import run_aot_script
 
-from k3jax.kernels.kda import KDA_IMPLS, get_kda_fn, kda_pallas
+from k3jax.kernels.kda import KDA_IMPLS, get_kda_fn
+from k3jax.kernels.kda.pallas_tpu import kda_pallas
 
 
 PALLAS = functools.partial(kda_pallas, interpret=True)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.kernels.kda import kda_reference
+from k3jax.kernels.kda.reference import kda_reference
 
 
 def numpy_kda(q, k, v, g, beta, scale, h0, seg):

@@ -18,7 +18,10 @@ from helpers import F32_TOL, assert_close, make_inputs, run_reference
 from tpu_aot import run_aot_script
 
 from k3jax import sharding
-from k3jax.kernels.kda import get_kda_fn, kda_chunked, kda_pallas, shard_kda
+from k3jax.kernels.kda import get_kda_fn
+from k3jax.kernels.kda.chunked import kda_chunked
+from k3jax.kernels.kda.pallas_tpu import kda_pallas
+from k3jax.kernels.kda.sharded import shard_kda
 
 AXES = ("data", "fsdp", "expert", "tensor")
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")

@@ -18,7 +18,9 @@ import pytest
 from helpers import F32_TOL, make_inputs, rel
 from tpu_aot import run_aot_script
 
-from k3jax.kernels.kda import get_kda_fn, kda_reference, kda_tokamax
+from k3jax.kernels.kda import get_kda_fn
+from k3jax.kernels.kda.reference import kda_reference
+from k3jax.kernels.kda.tokamax import kda_tokamax
 from k3jax.kernels.kda.tokamax import default_implementation
 from k3jax.layers.kda import kda_cache_shapes
 

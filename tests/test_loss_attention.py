@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.kernels.attention import causal_attention, get_attention_fn, latent_decode_attention
+from k3jax.kernels.attention import get_attention_fn
+from k3jax.kernels.attention.decode import latent_decode_attention
+from k3jax.kernels.attention.reference import causal_attention
 from k3jax.loss import chunked_cross_entropy, lse_and_argmax
 
 

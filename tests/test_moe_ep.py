@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from k3jax.kernels.moe import (
-    dispatch_bytes_per_token, moe_capacity, moe_dropless, moe_expert_parallel, route)
+from k3jax.kernels.moe.dispatch import moe_capacity, moe_dropless
+from k3jax.kernels.moe.expert_parallel import dispatch_bytes_per_token, moe_expert_parallel
+from k3jax.kernels.moe.routing import route
 from k3jax.kernels.moe.expert_parallel import padded_ragged_all_to_all
 
 N, D, F, E, K = 64, 16, 24, 8, 2

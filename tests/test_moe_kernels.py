@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.kernels.moe import (
-    expert_load, grouped_matmul, load_stats, moe_capacity, moe_dense_reference, moe_dropless,
-    route, sequence_aux_loss, update_bias)
+from k3jax.kernels.moe.balance import expert_load, load_stats, sequence_aux_loss, update_bias
+from k3jax.kernels.moe.dispatch import moe_capacity, moe_dense_reference, moe_dropless
+from k3jax.kernels.moe.gmm import grouped_matmul
+from k3jax.kernels.moe.routing import route
 from k3jax.kernels.moe.dispatch import few_token_path, moe_few_tokens
 
 N, D, F, E, K = 24, 16, 24, 8, 2

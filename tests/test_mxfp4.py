@@ -187,7 +187,9 @@ def test_expert_times_tensor_parallel_moe_equals_one_device(packed, impl):
     """ep=2 x tensor=2 (F sharded, partial down projections psum'd), 6 tokens over 4 token shards:
     output and d x / d routing weights (and d experts when dense) equal the one-device dropless."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from k3jax.kernels.moe import moe_dropless, moe_expert_parallel, route
+    from k3jax.kernels.moe.dispatch import moe_dropless
+    from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
+    from k3jax.kernels.moe.routing import route
     rng = np.random.default_rng(4)
     n, d, f, e = 6, 64, 64, 8
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)

@@ -19,8 +19,10 @@ from k3jax import model as M
 from k3jax import sharding as S
 from k3jax.layers.common import RouterBias
 from k3jax.layers.mla import MLA
-from k3jax.optim import (dimension_number, dimension_numbers, frozen_mask, init_sharded, make_optimizer, make_schedule,
-                         opt_state_shardings, param_labels, param_path, qk_clip)
+from k3jax.optim.muon import (dimension_number, dimension_numbers, frozen_mask, init_sharded, make_optimizer,
+                              opt_state_shardings, param_labels, param_path)
+from k3jax.optim.qk_clip import qk_clip
+from k3jax.optim.schedule import make_schedule
 from k3jax.optim.muon import variables_by_path
 from k3jax.layout import Layout
 from k3jax.state import abstract_state

@@ -110,7 +110,7 @@ def placed(cfg, canon_model, *, optimizer=False):
     nnx.update(m, jax.device_put(nnx.state(src), jax.tree.map(lambda x: x.sharding, nnx.state(m))))
     _, state["params"], state["rest"] = nnx.split(m, nnx.Param, REST)
     if optimizer:
-        from k3jax.optim import init_sharded
+        from k3jax.optim.muon import init_sharded
         with jax.set_mesh(mesh):
             state["opt_state"] = init_sharded(tx, state["params"])
     # (XLA:CPU: two programs with collectives in flight at once can stall each other's rendezvous)

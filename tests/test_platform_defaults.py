@@ -14,8 +14,10 @@ import pytest
 from helpers import REPO
 from k3jax import config as C
 from k3jax import jax_platforms as runtime
-from k3jax.kernels.attention import (QUERY_BLOCK, auto_attention, causal_attention, cudnn_attention, get_attention_fn,
-                                     resolve_attention)
+from k3jax.kernels.attention import auto_attention, get_attention_fn, resolve_attention
+from k3jax.kernels.attention.cudnn import cudnn_attention
+from k3jax.kernels.attention.prefill import QUERY_BLOCK
+from k3jax.kernels.attention.reference import causal_attention
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.moe.gmm import resolve_impl
 from k3jax.kernels.platform import AUTO, resolve

@@ -21,7 +21,7 @@ from k3jax.inference.generate import generate
 from k3jax.layers.common import REST
 from k3jax.data.media import media_inputs, media_loss_mask, media_token_ids
 from k3jax.data.media_layout import DROP
-from k3jax.optim import make_optimizer
+from k3jax.optim.muon import make_optimizer
 from k3jax.runtime import load_tokenizer
 from k3jax.step import make_train_step
 
@@ -287,7 +287,7 @@ def test_export_reads_the_tower_of_a_training_checkpoint(mm, tmp_path):
 def test_text_freeze_groups_leave_the_tower_alone(mm):
     """freeze=[norms, attention, embed] freezes text leaves only: the tower's norms and biases share
     the ("norm",) axis of text norms, but params["vision"] belongs to no text group."""
-    from k3jax.optim import frozen_mask
+    from k3jax.optim.muon import frozen_mask
     mask = frozen_mask(nnx.state(mm.model, nnx.Param), ["norms", "attention", "embed", "lm_head"])
     assert not any(jax.tree.leaves(nnx.to_pure_dict(mask["vision"])))
     assert any(jax.tree.leaves(nnx.to_pure_dict(mask["norm"])))

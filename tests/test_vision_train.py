@@ -17,7 +17,7 @@ from k3jax.layers.common import REST
 from k3jax.data.media import pad_grouped
 from k3jax.data.media_layout import DROP
 from k3jax.vision.splice import slot_loss_mask, splice
-from k3jax.optim import frozen_mask, make_optimizer, param_labels
+from k3jax.optim.muon import frozen_mask, make_optimizer, param_labels
 from k3jax.optim.muon import FREEZE_GROUPS, variables_by_path
 from k3jax.state import abstract_state
 from k3jax.step import make_train_step
