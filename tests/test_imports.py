@@ -1,4 +1,5 @@
-"""No import cycles among the modules of src/k3jax and conversion/.
+"""No import cycles among the modules of src/k3jax and conversion/; no k3jax module imported inside a
+function (a lazy third-party import says why); imports name the module that defines the name.
 
 The import graph is read from the source with `ast`; nothing is imported, so a cycle is found
 even when no test happens to trigger it (a cycle through a function-level import only bites
@@ -201,3 +202,84 @@ def test_detector_finds_a_cycle(tmp_path):
     assert graph["pkg.c"] == {"pkg": graph["pkg.c"]["pkg"]}            # not pkg.d
     assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
     assert "pkg.a -> pkg.b -> pkg.a" in describe(find_cycles(graph), graph)
+
+
+# ---- where imports stand (issue 51): at module top, naming the module that defines the name ----
+
+def _function_local_imports(path: Path):
+    """(import node, whether a comment gives its reason) of every import inside a function of
+    ``path``: a comment on its line or the line above, or above the lazy import block it ends."""
+    text = path.read_text()
+    lines = text.splitlines()
+    found = []
+
+    def walk(node, inside: bool):
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            walk(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    walk(ast.parse(text, filename=str(path)), False)
+    explained, out = set(), []
+    for node in sorted(found, key=lambda n: n.lineno):
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        ok = "#" in lines[node.lineno - 1] or "#" in above or node.lineno - 1 in explained
+        if ok:
+            explained.add(node.end_lineno)
+        out.append((node, ok))
+    return out
+
+
+def _ours(node) -> bool:
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return bool(getattr(node, "level", 0)) or any(n.split(".")[0] in ("k3jax", "conversion") for n in names)
+
+
+def test_no_function_local_import_of_our_modules():
+    """A k3jax module imported inside a function hides the import direction (a lower module reaching
+    up): move the thing down instead. A third-party import may stay lazy with a one-line reason (a
+    comment on its line or the line above: an optional or slow dependency)."""
+    local, unexplained = [], []
+    for name, (path, _) in find_modules(PACKAGES[:1]).items():
+        for node, explained in _function_local_imports(path):
+            where = f"{_where(path)}:{node.lineno}: {ast.unparse(node)}"
+            if _ours(node):
+                local.append(where)
+            elif not explained:
+                unexplained.append(where)
+    assert not local, "function-local imports of k3jax modules:\n  " + "\n  ".join(local)
+    assert not unexplained, "lazy third-party imports without a reason:\n  " + "\n  ".join(unexplained)
+
+
+def _reexported(modules) -> dict[str, dict[str, str]]:
+    """package -> {name its __init__ imports from another module (and does not define): that module}."""
+    out = {}
+    for name, (path, is_pkg) in modules.items():
+        if not is_pkg:
+            continue
+        names = out.setdefault(name, {})
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    names[alias.asname or alias.name] = node.module
+    return out
+
+
+def test_imports_name_the_defining_module():
+    """``from k3jax.optim import make_optimizer`` reads make_optimizer through optim/__init__;
+    ``from k3jax.optim.muon import make_optimizer`` names where it is defined."""
+    modules = find_modules(PACKAGES)
+    reexported = _reexported(modules)
+    files = [p for p, _ in modules.values()] + sorted((REPO / "tests").glob("*.py")) + \
+        sorted((REPO / "benchmarks").glob("*.py")) + sorted((REPO / "scripts").glob("*.py"))
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.module in reexported and not node.level):
+                continue
+            if modules[node.module][0] == path:
+                continue                                  # the package's own __init__
+            for alias in node.names:
+                src = reexported[node.module].get(alias.name)
+                if src and f"{node.module}.{alias.name}" not in modules:
+                    found.append(f"{_where(path)}:{node.lineno}: {alias.name} from {node.module} (defined in {src})")
+    assert not found, "imports through a re-exporting __init__:\n  " + "\n  ".join(found)
