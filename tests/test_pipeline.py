@@ -20,7 +20,8 @@ gathered once (its all-gathers are compared with the first program's) and no blo
 with the first's), and stage=2 x context=2 x fsdp=2 with 2 microbatches. The NaN-bubble run reuses
 a compiled program (the fill is an argument). With K3JAX_SLOW_TESTS=1 also: a 37-layer model at
 stage=4 (its reference and its program, 211 s of the 2-core CI host), the context run against
-context=2 x fsdp=4, and three train steps.
+context=2 x fsdp=4, and three train steps (two train-step programs, shared with
+tests/test_pipeline_checkpoint.py's round trip through the persistent compilation cache).
 """
 import math
 import os
@@ -46,6 +47,12 @@ BASE = ["model_name=tiny", "num_layers=21", "mla_extra_layers=[20]", "attn_res_b
         "qk_clip_threshold=0.5", "router_bias_update_rate=0.01", "warmup_steps_fraction=0", "lr_schedule=constant"]
 REF = ["ici_fsdp_parallelism=8"]
 PIPE = ["ici_stage_parallelism=2", "ici_fsdp_parallelism=4"]
+# The train-step layouts: stage=2 x fsdp=4 with 4 microbatches (more than stages: the circular store)
+# and the same in-stage layout without stages. test_train_steps_equal_unpipelined and
+# test_pipeline_checkpoint's round trip jit the same two train steps at per_device_batch_size=2, so
+# the second of them to run reads both programs from the persistent compilation cache.
+PIPE4 = PIPE + ["num_pipeline_microbatches=4"]
+UNSTAGED = ["ici_data_parallelism=2", "ici_fsdp_parallelism=4"]
 B, T = 16, 16      # the batch (2 rows per device)
 TOTAL_TOL, LEAF_TOL = 1e-5, 5e-5
 UPDATE_LEAF_TOL = 5e-4    # one leaf of a train step's update (test_train_steps_equal_unpipelined)
@@ -349,7 +356,7 @@ def test_stage2_context2_fsdp2_equals_fsdp8(weights, reference):
     C.validate(cfg, num_devices=8)
     mesh, _, compiled, ((h, aux, g),) = run_grads(cfg, weights)
     refs = [("fsdp=8", reference, 1e-4, 3e-4)]
-    if os.environ.get("K3JAX_SLOW_TESTS"):
+    if os.environ.get("K3JAX_SLOW_TESTS"):     # one more gradient program (~200 s of worker time, issue 49)
         unstaged = run_grads(load("ici_context_parallelism=2", "ici_fsdp_parallelism=4"), weights)[3][0]
         refs.append(("context=2 x fsdp=4", unstaged, TOTAL_TOL, LEAF_TOL))
     for name, (h0, aux0, g0), total_tol, leaf_tol in refs:
@@ -438,15 +445,15 @@ def test_train_steps_equal_unpipelined(weights):
     and 5.7e-5 apart between two unpipelined layouts, fsdp=8 against data=2 x fsdp=4; host C,
     2026-12-06)."""
     from k3jax.state import layer_order, memory_order
-    from k3jax.step import make_train_step
+    from k3jax.step import jit_train_step
     canon, batch, _ = weights
     runs = []
-    for args in (["ici_data_parallelism=2", "ici_fsdp_parallelism=4"], PIPE + ["num_pipeline_microbatches=4"]):
+    for args in (UNSTAGED, PIPE4):
         cfg = load(*args, "per_device_batch_size=2")
         C.validate(cfg, num_devices=8)
         mesh, gdef, state, tx = placed(cfg, canon, optimizer=True)
-        with jax.set_mesh(mesh):
-            runs.append((cfg, mesh, jax.jit(make_train_step(cfg, gdef, tx)),
+        with jax.set_mesh(mesh):       # the train loop's program (state donated): the two programs
+            runs.append((cfg, mesh, jit_train_step(cfg, gdef, tx, state),   # test_pipeline_checkpoint runs
                          jax.device_put(batch, S.batch_sharding(mesh)), state))
     (_, ref_mesh, ref_step, ref_batch, state), (cfg, mesh, step, pipe_batch, pipe_state) = runs
     shardings = jax.tree.map(lambda x: x.sharding, pipe_state)
