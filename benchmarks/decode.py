@@ -1,6 +1,6 @@
 """Decode speed on one CPU device: generate() throughput, and per-token cost vs context length.
 
-Part 1 runs `k3jax.decode.generate` (the real left-padded prefill + jitted while-loop decode) with
+Part 1 runs `k3jax.inference.generate.generate` (chunked prefill into slots, multi-step decode calls) with
 random weights (speed only) for each config and batch size, on random prompts of --prompt-len
 tokens, greedy, --new-tokens new tokens per row (no stop ids, so every row runs to the end), and
 reports its timing dict: prefill tokens/s (prompt tokens / prefill time) and decode tokens/s (new
@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax import config as C  # noqa: E402
-from k3jax.decode import generate  # noqa: E402
+from k3jax.inference.generate import generate  # noqa: E402
 from k3jax.layers.kda import kda_cache_shapes  # noqa: E402
 from k3jax.layers.mla import mla_cache_shapes  # noqa: E402
 from k3jax.sharding import make_mesh  # noqa: E402
