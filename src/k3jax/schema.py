@@ -452,6 +452,9 @@ class RLConfig:
                                "distribution)")
     rl_top_p: float = _f(1.0, "rollout nucleus probability mass; 1 = off (the behaviour log-probs are of the "
                          "truncated distribution)")
+    rl_tools: list = _f([], "tools a rollout may call, name=module:function each (a dict of arguments goes in as "
+                         "keywords; a failure or a timeout becomes the tool message); with rl_max_turns > 1")
+    rl_tool_timeout_s: float = _f(10.0, "seconds a tool call may take before its message says it timed out")
 
 
 SECTIONS = {"model": ModelConfig, "vision": VisionConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,

@@ -281,6 +281,12 @@ def _validate_rl(cfg: Config) -> None:
     rl_reward_specs(r.rl_rewards)
     if r.rl_max_turns < 1:
         raise ConfigError(f"rl_max_turns={r.rl_max_turns}: must be >= 1")
+    for t in r.rl_tools:
+        target = str(t).rpartition("=")[2]
+        if ":" not in target or not all(target.partition(":")[::2]):
+            raise ConfigError(f"rl_tools entry {t!r}: write it as name=module:function (or module:function)")
+    if r.rl_tool_timeout_s <= 0:
+        raise ConfigError(f"rl_tool_timeout_s={r.rl_tool_timeout_s}: must be > 0")
     if r.rl_max_new_tokens < 1:
         raise ConfigError(f"rl_max_new_tokens={r.rl_max_new_tokens}: must be positive")
     if r.rl_temperature <= 0:
