@@ -86,7 +86,7 @@ def test_packed_documents_match_float64_reference(tiny):
 
 
 def test_prefill_then_decode_equals_full_forward(tiny):
-    from k3jax.decode import left_pad, prefill
+    from k3jax.inference.batch_prefill import left_pad, prefill
     _, cfg, model = tiny
     rng = np.random.default_rng(3)
     n, m = 9, 6
@@ -110,7 +110,7 @@ K3_ONLY = pytest.mark.parametrize("tiny", ["k3"], indirect=True)
 
 @K3_ONLY
 def test_greedy_generate_equals_argmax_of_full_forwards(tiny):
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     _, cfg, model = tiny
     rng = np.random.default_rng(4)
 
@@ -133,7 +133,7 @@ def test_greedy_generate_equals_argmax_of_full_forwards(tiny):
 
 @K3_ONLY
 def test_mixed_length_batch_equals_each_alone(tiny):
-    from k3jax.decode import generate
+    from k3jax.inference.generate import generate
     _, cfg, model = tiny
     rng = np.random.default_rng(5)
     p1, p2 = list(rng.integers(0, cfg.model.vocab_size, 3)), list(rng.integers(0, cfg.model.vocab_size, 10))

@@ -255,7 +255,7 @@ def test_config_errors_and_aliases(capsys):
 def test_refusals_are_one_line():
     """Each refusal the pipeline makes is one ConfigError line naming the problem and what to do:
     the config checks, and decode and serve (the server's programs build a decode cache) at stage 2."""
-    from k3jax.serve.programs import Programs
+    from k3jax.inference.programs import Programs
     cases = [(lambda: load("ici_stage_parallelism=3"), "does not divide the 4 scanned layer periods"),
              (lambda: load(*PIPE, "num_pipeline_microbatches=5"), "not a multiple of the 2 pipeline stages"),
              (lambda: C.validate(load(*PIPE, "num_pipeline_microbatches=4"), num_devices=8),
