@@ -125,6 +125,10 @@ def run(cfg) -> dict:
     history = []
     for i in range(cfg.train.steps):
         t0 = time.perf_counter()
+        if cfg.data.num_epoch and (i + 1) * n_prompts > len(prompts):   # grain would wrap around
+            print(f"the prompt set is used up after {i} steps (num_epoch={cfg.data.num_epoch}); stopping",
+                  flush=True)
+            break
         batch = [prompts[k] for k in range(i * n_prompts, (i + 1) * n_prompts)]
         samples = rollout(gen, tok, batch, generations=g,
                           sampling=Sampling(rl.rl_temperature, 0, rl.rl_top_p, seed=cfg.train.seed * 1_000_003 + i),
@@ -151,6 +155,6 @@ def run(cfg) -> dict:
         writer.write(rec)
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
     writer.close()
-    saved = save_weights(run_dir / "checkpoints", params, rest, cfg.train.steps)
+    saved = save_weights(run_dir / "checkpoints", params, rest, len(history))
     print(f"saved {saved}")
     return {"history": history, "params": params, "checkpoint": saved, "programs": progs}
