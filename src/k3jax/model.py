@@ -40,6 +40,17 @@ REMAT_POLICIES = {
     "save_dot": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "save_mixer_out": jax.checkpoint_policies.save_only_these_names("mixer_out"),
 }
+
+
+def remat_policy(remat):
+    """The jax policy of a ``remat`` argument: a REMAT_POLICIES key, or ``remat.Custom(save, offload)``
+    (k3jax.remat.spec): those names kept on device, these offloaded to pinned host memory."""
+    if isinstance(remat, str):
+        return REMAT_POLICIES[remat]
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(remat.save), names_which_can_be_offloaded=list(remat.offload),
+        offload_src="device", offload_dst="pinned_host")
+
 MIXERS = {"kda": KDA, "mla": MLA}
 
 
@@ -93,6 +104,7 @@ class DecoderLayer(nnx.Module):
                 f, aux = self.mlp(y), {}
             else:
                 f, aux = self.mlp(y, compute_aux=compute_aux)
+        f = checkpoint_name(f, "ffn_out")
         res = dict(res, **{key: constrain(res[key] + f, ("batch", "seq", "act_embed"))})
         return res, aux
 
@@ -103,7 +115,7 @@ class DecoderLayer(nnx.Module):
         h = self.input_layernorm(x)
         with jax.named_scope("mixer"):
             a, aux, cache = self.self_attn(h, segment_ids, positions, return_cache=return_cache)
-        a = checkpoint_name(a, "mixer_out")
+        a = checkpoint_name(a, "mixer_out")     # k3jax.remat.NAMES: the names a remat policy may keep
         res, ffn_aux = self._post_mixer(res, a, compute_aux)
         return res, {**aux, **ffn_aux}, cache
 
@@ -218,7 +230,7 @@ class K3Model(nnx.Module):
             h = res["h"]
         return self.norm(h)
 
-    def _walk(self, res, step, per_site=None, remat: str = "none", periods=None):
+    def _walk(self, res, step, per_site=None, remat="none", periods=None):
         """Thread the residual state through every decoder layer in order: the prefix and tail
         unrolled, the periods by ``lax.scan`` over their stacked parameters.
 
@@ -231,7 +243,7 @@ class K3Model(nnx.Module):
         scan (the pipeline, k3jax.stages). Returns (res, layout tree of the outs).
         """
         lay = self.layout
-        policy = REMAT_POLICIES[remat]
+        policy = remat_policy(remat)
         outs = {"prefix": [], "periods": None, "tail": []}
 
         def unrolled(site, res):
@@ -312,7 +324,7 @@ class K3Model(nnx.Module):
         ``DecoderLayer._pre_mixer``'s block_closed). Parameters stay one stacked tree, indexed by
         period number (no sliced copies of the weights). Returns (res, per-layer outs stacked over
         all periods, as the flat scan returns them)."""
-        policy = REMAT_POLICIES[remat]
+        policy = remat_policy(remat)
         parts = []
         for first, count, length, starts in runs:
             def inner(carry, k, starts=starts):
@@ -349,10 +361,11 @@ class K3Model(nnx.Module):
         return res, outs
 
     # -- sequence forward ------------------------------------------------------------------------
-    def hidden(self, tokens, segment_ids=None, positions=None, *, remat: str = "none",
+    def hidden(self, tokens, segment_ids=None, positions=None, *, remat="none",
                compute_aux: bool = False, return_cache: bool = False, media=None, bubble_fill=0.0):
         """tokens [B,T] -> (final hidden [B,T,D], aux, caches); aux and caches are layout trees
-        (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``.
+        (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``. ``remat``: a
+        REMAT_POLICIES key or ``k3jax.remat.Custom`` (names kept on device / offloaded to host).
         ``bubble_fill``: what the pipeline's buffers hold before data reaches them (stages > 1; a
         test passes NaN to show that bubble iterations change nothing)."""
         b, t = tokens.shape
@@ -371,7 +384,7 @@ class K3Model(nnx.Module):
                 raise ValueError("return_cache with pipeline stages: prefill runs without stages")
             periods = functools.partial(pipeline_periods, self, segment_ids=segment_ids, positions=positions,
                                         compute_aux=compute_aux, remat=remat,
-                                        policy=REMAT_POLICIES[remat], fill=bubble_fill,
+                                        policy=remat_policy(remat), fill=bubble_fill,
                                         gather_once=self.gather_once, block_cache=self.block_cache)
         res, outs = self._walk(res, step, remat=remat, periods=periods)
         aux = self.layout.map(lambda _, o: o[0], outs)

@@ -262,7 +262,15 @@ class TrainConfig:
     seed: int = _f(0, "parameter-init and dropout seed")
     dtype: str = _f("float32", "activation dtype", ("float32", "bfloat16"))
     weight_dtype: str = _f("float32", "parameter dtype", ("float32", "bfloat16"))
-    remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out", ("none", "full", "save_dot", "save_mixer_out"))
+    remat_policy: str = _f("full", "none | full | save_dot | save_mixer_out | offload_mixer_out (mixer_out to pinned host "
+                           "memory) | offload_kda (mixer_out and the KDA recurrence's output and chunk states to host: "
+                           "the backward skips the recurrence) | custom (remat_save_names, remat_offload_names); offload "
+                           "needs a TPU or GPU (docs/running-on-tpu-pods.md)",
+                           ("none", "full", "save_dot", "save_mixer_out", "offload_mixer_out", "offload_kda", "custom"))
+    remat_save_names: list = _f([], "remat_policy=custom: tensors kept on device for the backward, of mixer_out, ffn_out, "
+                                "kda_core_out, kda_chunk_states (k3jax.remat.NAMES); the rest are recomputed")
+    remat_offload_names: list = _f([], "remat_policy=custom: tensors offloaded to pinned host memory in the forward and "
+                                   "read back in the backward (same names as remat_save_names)")
     scan_layers: bool = _f(True, "scan the repeating layer period (False unrolls, for debugging)")
     num_pipeline_microbatches: int = _f(-1, "pipeline (stage > 1): microbatches each step streams through the stages, a multiple of the stage count; -1 = the stage count")
     pipeline_attn_res_cache: bool = _f(True, "pipeline (stage > 1), AttnRes models: a stage hand-off carries the partial sum and the newest AttnRes blocks a stage has not seen (K3 at 2 stages: 1), each stage keeping every microbatch's block buffer, instead of the whole buffer (K3: 2x the hidden state per hop instead of 9x; docs/sharding.md)")

@@ -183,7 +183,7 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
 
     gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
     res: the residual state after the prefix layers (rows B); segment_ids, positions [B, T].
-    ``policy``: the remat policy of ``remat`` (``model.REMAT_POLICIES``).
+    ``policy``: the remat policy of ``remat`` (``model.remat_policy``).
     ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
     NaN). ``gather_once`` (``pipeline_fsdp_ag_once``): each stage all-gathers its period weights
     over the in-stage parameter axes once, before the schedule (``_gathered_specs``), instead of

@@ -21,6 +21,7 @@ from k3jax.layers.common import REST
 from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_impl, tokamax_context,
                         tokamax_cross_entropy, tokamax_implementation, vocab_parallel_cross_entropy)
 from k3jax.optim.qk_clip import qk_clip
+from k3jax.remat import spec as remat_spec
 from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, stage_rows
 from k3jax.vision.splice import slot_loss_mask
 
@@ -115,7 +116,7 @@ def make_train_step(cfg, gdef, tx):
         model = nnx.merge(gdef, params, rest)
         media = batch.get("media")      # k3jax.data.media.MediaInputs.arrays(), or absent
         h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
-                                 remat=t.remat_policy, compute_aux=t.moe_aux_loss_coef > 0, media=media)
+                                 remat=remat_spec(t), compute_aux=t.moe_aux_loss_coef > 0, media=media)
         mask = batch["loss_mask"]
         if media is not None:
             mask = slot_loss_mask(mask, media["slots"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from k3jax.layout import layout
+from k3jax.remat import check as check_remat
 from k3jax.schema import MESH_AXES, Config, ConfigError
 
 
@@ -100,6 +101,7 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
     _validate_data(cfg.data)
     _validate_rl(cfg)
     _validate_vision(cfg, platform)
+    check_remat(cfg, platform)     # names the model tags; an offload on a platform without host memory
     _mesh_divisibility(cfg, *_axis_sizes(cfg))   # what the axis sizes alone decide, devices or not
     _validate_pipeline(cfg, num_devices)
     _validate_processes(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.kernels.kda import get_kda_fn
 from k3jax.kernels.kda.decode import kda_decode_step, short_conv, short_conv_step
@@ -141,6 +142,9 @@ class KDA(nnx.Module):
         else:
             o, state = self.core(q, k, v, self._gate(x), beta, scale=self.head_dim ** -0.5,
                                  segment_ids=segment_ids)
+        # named for remat policies (k3jax.remat): with it and the chunk states kept, the backward
+        # does not rerun the recurrence
+        o = checkpoint_name(o, "kda_core_out")
         out = self._output(o, x)
         if not return_cache:
             return out, {}, None
