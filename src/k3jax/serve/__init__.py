@@ -9,7 +9,11 @@ text.py      incremental detokenisation and stop strings
 toolcalls.py the streaming parser of K2-family tool calls and thinking over generated token ids
 k3_toolcalls.py  the same for K3's XTML replies (think / response / tools channels, typed arguments)
 protocol.py  OpenAI request / response bodies
-api.py       the FastAPI routes
+api.py       create_app: the FastAPI app (its state, routes, error handlers)
+state.py     ServerState: what every route reads (engine, tokenizer, settings), held on the app
+routes_chat.py  POST /v1/chat/completions: the chat prompt, tool choice, images
+routes.py    the other routes: completions, models, health, metrics, tokenize / detokenize
+reply.py     a request's choices through the engine: submit, then stream or collect the answer
 metrics.py   Prometheus metrics
 pod.py       steps as fixed-size vectors, broadcast from process 0; the other processes' loop
 main.py      the tool: build (model, programs, engine, app) and run
