@@ -127,7 +127,13 @@ def test_mm_sft_on_a_pod_of_two_processes_equals_one(tmp_path):
     each process reads its data shard (records i, i + 2, ...: the even ones hold a 28x28 image, 4
     patches; the odd ones 56x28, 8), packs its own rows to its own per-row patch bucket (4 and 8),
     the processes agree on 8, and each puts only its rows. Its losses and gradient norms equal one
-    process on 8 devices reading the same records (rows in another order: 1e-6)."""
+    process on 8 devices reading the same records (rows in another order: 1e-6).
+
+    The evaluation after the last step reads held-out conversations whose shards are uneven: 8 of
+    process 0's 20 records are too long to keep (dropped), so its shard holds 3 eval batches of 4
+    rows and process 1's 5. The processes evaluate in step (k3jax.evaluate: process 0 repeats a
+    masked batch twice) instead of process 1 waiting for ever in the eval step's collectives, and
+    the eval loss, accuracy and token count equal one process's over the same 32 conversations."""
     import json
     import subprocess
     import sys
@@ -145,10 +151,17 @@ def test_mm_sft_on_a_pod_of_two_processes_equals_one(tmp_path):
         recs.append({"images": [f"img/{i}.png"], "messages": [{"role": "user", "content": f"<image> what is {i}?"},
                                                               {"role": "assistant", "content": f"number {i}"}]})
     (tmp_path / "train.json").write_text(json.dumps(recs, indent=1))
+    held_out = []
+    for i in range(40):
+        question = f"<image> which number is {i}?" + (" and then" * 40 if i % 2 == 0 and i < 16 else "")
+        held_out.append({"images": [f"img/{i % 16}.png"], "messages": [{"role": "user", "content": question},
+                                                                       {"role": "assistant", "content": f"number {i}"}]})
+    (tmp_path / "eval.json").write_text(json.dumps(held_out, indent=1))
     args = [a for a in ARGS if not a.startswith(("steps=", "per_device_batch_size=", "log_period=",
                                                  "vision_patch_buckets="))]
     args += ["steps=3", "per_device_batch_size=1", "log_period=1", "vision_patch_buckets=[4,8]", "data_shuffle=false",
-             f"dataset_path={tmp_path / 'train.json'}", f"base_output_directory={tmp_path}"]
+             f"dataset_path={tmp_path / 'train.json'}", f"base_output_directory={tmp_path}",
+             f"eval_dataset_path={tmp_path / 'eval.json'}", "eval_steps=-1", "eval_interval=3"]
     pod = subprocess.run(["bash", str(REPO / "scripts" / "local_pod.sh"), "2", "4", sys.executable, "-m", "k3jax.train",
                           str(C.REPO_CONFIGS / "base.yml"), *args, "run_name=pod"],
                          cwd=REPO, env=tool_env(), capture_output=True, text=True, timeout=600)
@@ -160,3 +173,7 @@ def test_mm_sft_on_a_pod_of_two_processes_equals_one(tmp_path):
     for g, w in zip(got, one):
         for k in ("loss", "grad_norm"):
             assert abs(g[k] - w[k]) <= 1e-6 * abs(w[k]), (k, g[k], w[k])
+    assert "eval_loss" in got[-1] and "eval_loss" in one[-1], (got[-1], one[-1])
+    assert got[-1]["eval_tokens"] == one[-1]["eval_tokens"] > 0, (got[-1], one[-1])
+    for k in ("eval_loss", "eval_accuracy"):
+        assert abs(got[-1][k] - one[-1][k]) <= 1e-6 * abs(one[-1][k]), (k, got[-1][k], one[-1][k])

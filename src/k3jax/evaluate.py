@@ -18,6 +18,14 @@ and SFT fitting) but unshuffled and at most once, so every evaluation sees the s
   batched as for training (media grouped per row, one patch bucket agreed by every process), the
   loss on the answers only.
 
+On a pod the processes evaluate in step: each of them reads its own data shard, and the shards may
+hold different numbers of batches (records dropped as too long, bad records skipped), so before
+each batch the processes tell each other whether they still have one. A process whose shard has
+run out feeds its last batch again with every target masked (it adds nothing to any sum) until
+the longest shard is done; without this, the process with more batches would wait forever in the
+eval step's collectives for a process that had moved on. A shard with no batch at all is one
+error on every process.
+
 The eval step is its own jitted function (forward only, no remat), compiled once for the eval batch
 shape (and, with images, once per patch bucket) on the training mesh against the training state's
 shardings, so evaluating never recompiles the train step. It returns per-row sums, replicated, which
@@ -32,6 +40,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError
@@ -192,11 +201,36 @@ class Evaluator:
                 return
             yield batch
 
+    def _batches_in_step(self):
+        """``_local_batches`` kept in step with the other processes (see the module docstring): as
+        many batches as the process with the most, a finished process repeating its last batch with
+        its loss mask zeroed."""
+        mine, last = self._local_batches(), None
+        while True:
+            batch = next(mine, None)
+            if jax.process_count() > 1:
+                have = np.asarray(multihost_utils.process_allgather(np.int32(batch is not None))).reshape(-1)
+                if not have.any():
+                    return
+                if last is None and not have.all():
+                    empty = sorted({self.feed.shards[p][0] for p in np.flatnonzero(have == 0)})
+                    raise DataError(f"eval_dataset_path={self.cfg.eval.eval_dataset_path} gives data shard(s) {empty} "
+                                    f"of {self.feed.num_shards} no full eval batch of {self.feed.local_rows} rows "
+                                    f"(shard k reads records k, k + {self.feed.num_shards}, ... of the evaluation files); "
+                                    f"add data or lower eval_per_device_batch_size")
+            elif batch is None:
+                return
+            if batch is None:
+                batch = {**last, "loss_mask": np.zeros_like(last["loss_mask"])}
+            else:
+                last = batch
+            yield batch
+
     def run(self, state) -> dict:
         """One evaluation of ``state``: the eval_* metrics of the step record."""
         t0 = time.perf_counter()
         loss, weight, correct = [], [], []
-        for batch in self._local_batches():
+        for batch in self._batches_in_step():
             batch, _ = self.feed.agree_media(batch, self.cfg.vision.vision_merge_kernel_size)
             g = self.feed.put_batch(batch)
             args = (state["params"], state["rest"], g)
