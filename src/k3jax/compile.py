@@ -144,16 +144,58 @@ def compile_lowered(lowered, cfg, mesh):
             jax.config.update(key, was)
 
 
-def compile_train(cfg, mesh):
-    """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch)."""
+def compile_train(cfg, mesh, on_trace=None):
+    """Lower and compile the jitted train step for ``mesh``; -> (Compiled, seconds, global batch).
+    ``on_trace(jaxpr)``: called with the traced step's jaxpr (e.g. ``host_moves``) before it compiles."""
     gb = check_batch(cfg, mesh.devices.size)
     check_rows(mesh, gb, "train batch")
     gdef, state, tx = abstract_state(cfg, mesh, optimizer=True)
     step = jit_train_step(cfg, gdef, tx, state)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = compile_lowered(step.lower(state, abstract_batch(cfg, mesh, gb)), cfg, mesh)
+        traced = step.trace(state, abstract_batch(cfg, mesh, gb))
+        if on_trace is not None:
+            on_trace(traced.jaxpr)
+        compiled = compile_lowered(traced.lower(), cfg, mesh)
     return compiled, time.perf_counter() - t0, gb
+
+
+def host_moves(jaxpr) -> dict:
+    """{checkpoint name: {"moves": copies to host memory per step, "bytes": their bytes}} of a traced
+    program: every ``device_put`` to host memory space (what an offload remat policy inserts)
+    counted under the ``checkpoint_name`` of its operand (``"?"`` for an unnamed one), times the
+    trip counts of the scans around it. Bytes are of the traced (global) shapes, per shard inside a
+    shard_map."""
+    out: dict = {}
+
+    def walk(jx, times):
+        named = {}
+        for eqn in jx.eqns:
+            p = eqn.primitive.name
+            if p == "name":
+                named[eqn.outvars[0]] = eqn.params["name"]
+            if p == "device_put":
+                for v, o in zip(eqn.invars, eqn.outvars):
+                    if getattr(o.aval, "memory_space", None) == jax.memory.Space.Host:
+                        r = out.setdefault(named.get(v, "?"), {"moves": 0, "bytes": 0})
+                        r["moves"] += times
+                        r["bytes"] += times * o.aval.size * o.aval.dtype.itemsize
+            inner = times * eqn.params["length"] if p == "scan" else times
+            for val in eqn.params.values():
+                for sub in val if isinstance(val, (tuple, list)) else (val,):
+                    sub = getattr(sub, "jaxpr", sub)          # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inner)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, 1)
+    return out
+
+
+def host_copies(compiled) -> dict:
+    """The compiled program's host-memory traffic: buffers in host memory space (``S(5)`` in TPU HLO
+    layouts) and async copies started."""
+    text = compiled.as_text()
+    return {"host_memory_space": text.count("S(5)"), "copy_start": text.count("copy-start")}
 
 
 def decode_inputs(cfg, mesh, gb: int):
@@ -237,14 +279,16 @@ def memory_report(compiled, hbm_bytes: float) -> dict:
     """Per-device bytes from ``compiled.memory_analysis()``.
 
     total = arguments + outputs - aliased (donated buffers reused as outputs) + temporaries +
-    generated code: the peak a device must hold while the step runs.
+    generated code: the peak a device must hold while the step runs. host_temporaries: what the step
+    holds in the host's memory for this device (activations an offload remat policy moved there).
     """
     ma = compiled.memory_analysis()
     if ma is None:
         raise RuntimeError("the compiled executable has no memory analysis")
     r = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
          "aliased": ma.alias_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
-         "code": ma.generated_code_size_in_bytes}
+         "code": ma.generated_code_size_in_bytes,
+         "host_temporaries": getattr(ma, "host_temp_size_in_bytes", 0)}   # offloaded activations (remat)
     r["total"] = r["arguments"] + r["outputs"] - r["aliased"] + r["temporaries"] + r["code"]
     r["hbm"] = hbm_bytes
     r["fits"] = r["total"] <= hbm_bytes
@@ -261,9 +305,10 @@ def cost_report(compiled) -> dict:
 
 
 def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0,
-                   comm: dict | None = None) -> dict:
+                   comm: dict | None = None, host_bytes: float = 0.0) -> dict:
     """``roofline.train_estimate`` with the compiled step's media (its vision FLOPs)."""
-    return R.train_estimate(cfg, gb, n_dev, chip, cost, ici_bytes, media=media_plan(cfg), comm=comm)
+    return R.train_estimate(cfg, gb, n_dev, chip, cost, ici_bytes, media=media_plan(cfg), comm=comm,
+                            host_bytes=host_bytes)
 
 
 def format_memory(name: str, mem: dict) -> str:
@@ -271,7 +316,8 @@ def format_memory(name: str, mem: dict) -> str:
     return (f"{name} memory per device: arguments {gib(mem['arguments'])}, outputs {gib(mem['outputs'])} "
             f"(aliased {gib(mem['aliased'])}), temporaries {gib(mem['temporaries'])}, code {gib(mem['code'])}; "
             f"total {gib(mem['total'])} of {gib(mem['hbm'])} HBM ({pct:.1f}%) -> "
-            f"{'fits' if mem['fits'] else 'DOES NOT FIT'}")
+            f"{'fits' if mem['fits'] else 'DOES NOT FIT'}"
+            + (f"; host memory {gib(mem['host_temporaries'])}" if mem.get("host_temporaries") else ""))
 
 
 def mesh_desc(mesh) -> str:
@@ -307,10 +353,11 @@ def run(cfg, out=print) -> dict:
         f"remat={cfg.train.remat_policy}")
     reports = {}
     if cfg.compile.compile_step in ("train", "both"):
-        compiled, secs, gb = compile_train(cfg, mesh)
+        moves = {}
+        compiled, secs, gb = compile_train(cfg, mesh, on_trace=lambda jx: moves.update(host_moves(jx)))
         mem, cost = memory_report(compiled, chip.hbm_bytes), cost_report(compiled)
         comm = collective_bytes(cfg, abstract_state(cfg, mesh)[1]["params"], mesh, gb)
-        est = train_estimate(cfg, gb, n, chip, cost, comm=comm)
+        est = train_estimate(cfg, gb, n, chip, cost, comm=comm, host_bytes=R.host_transfer_bytes(cfg, mem))
         reports["train"] = {"memory": mem, "cost": cost, "estimate": est, "collectives": comm, "compile_s": secs,
                             "global_batch": gb}
         out(f"train step: global batch {gb} x {cfg.train.max_target_length} tokens, compiled in {secs:.1f}s")
@@ -323,6 +370,14 @@ def run(cfg, out=print) -> dict:
                 f"{est['vision_flops_per_device']:.3e} model FLOPs per device "
                 f"({100 * est['vision_flops_per_device'] / est['model_flops_per_device']:.1f}% of the step)")
         out(format_memory("train", mem))
+        if moves:
+            hc = host_copies(compiled)
+            out(f"train offload to host: " + ", ".join(f"{k} {v['moves']} copies ({v['bytes'] / 2**20:.2f} MiB, all "
+                                                       f"devices)" for k, v in sorted(moves.items()))
+                + f" per step; compiled: {hc['host_memory_space']} host-memory buffers (S(5)), {hc['copy_start']} "
+                  f"async copies; host link {chip.host_gbps_per_chip:g} GB/s per chip: "
+                + (f"{est['t_host']:.3f}s for {R.host_transfer_bytes(cfg, mem) / 2**30:.2f} GiB out and back"
+                   if not est["host_unknown"] else "bandwidth unknown, left out of the bound"))
         out(f"train FLOPs per device: XLA cost analysis {cost['flops']:.3e} (loop bodies once), analytic model "
             f"{est['model_flops_per_device']:.3e} ({counts.human(est['flops_per_token'])} per token), executed "
             f"with remat {est['executed_flops_per_device']:.3e}; XLA bytes accessed {cost['bytes']:.3e}")

@@ -12,6 +12,10 @@ memory). Every candidate's train step is
 compiled with libtpu (k3jax.compile) and kept when its per-device memory fits in HBM; the table
 is ranked by the roofline estimate of tokens/s/chip (model FLOPs and XLA bytes at the chip's peak,
 see k3jax.compile.train_estimate). A candidate the compiler rejects is listed with its reason.
+Offload remat policies (``plan_remat_policies=[save_mixer_out, offload_mixer_out]``) rank beside the
+device-only ones: their HBM is what the compiled step keeps on device, and the bound gains a host
+term, the offloaded activations out and back over the chip's host link (``roofline.host_transfer_bytes``
+at ``Chip.host_bandwidth``).
 
 Multi-slice (``compile_topology_num_slices`` = N > 1): every in-slice candidate is tried once per
 axis of ``plan_dcn_axes`` (default data and stage) with that axis N across the slices
@@ -37,6 +41,7 @@ import sys
 from k3jax import compile as K
 from k3jax import config as C
 from k3jax.cli import run_tool
+from k3jax import roofline as R
 from k3jax import topology as TP
 from k3jax.sharding import make_mesh
 from k3jax.state import abstract_state
@@ -174,8 +179,8 @@ def evaluate(cfg, devices, chip: TP.Chip, cand: dict) -> dict:
     c, mesh, compiled, secs, gb = done
     mem, cost = K.memory_report(compiled, chip.hbm_bytes), K.cost_report(compiled)
     comm = K.collective_bytes(c, abstract_state(c, mesh)[1]["params"], mesh, gb)
-    row.update(memory=mem, cost=cost, estimate=K.train_estimate(c, gb, len(devices), chip, cost, comm=comm),
-               collectives=comm, global_batch=gb, compile_s=secs)
+    est = K.train_estimate(c, gb, len(devices), chip, cost, comm=comm, host_bytes=R.host_transfer_bytes(c, mem))
+    row.update(memory=mem, cost=cost, estimate=est, collectives=comm, global_batch=gb, compile_s=secs)
     return row
 
 
@@ -196,16 +201,21 @@ def table(rows: list[dict], seq: int) -> str:
     ok = sorted((r for r in rows if "memory" in r and r["memory"]["fits"]),
                 key=lambda r: (-round(r["estimate"]["tokens_per_s_per_chip"], 6), r["memory"]["total"]))
     multi = any("dcn_axis" in r for r in rows)
-    head = (f"{'rank':>4}  {'mesh':<52} {'remat':<15} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
+    host = any(r.get("memory", {}).get("host_temporaries") for r in ok)
+    head = (f"{'rank':>4}  {'mesh':<52} {'remat':<17} {'batch/dev':>9} {'global':>7} {'mem/dev GiB':>11} "
             f"{'HBM%':>5} {'step s':>8} {'MFU%':>5} {'tok/s/chip':>10}")
+    if host:
+        head += f" {'host GiB':>8} {'host s':>7}"
     if multi:
         head += f" {'across':>11} {'bubble%':>7} {'x-slice GB':>10} {'DCN s':>7}"
     lines = [head, "-" * len(head)]
     for i, r in enumerate(ok, 1):
         e, m = r["estimate"], r["memory"]
-        line = (f"{i:>4}  {r['mesh']:<52} {r['remat_policy']:<15} {r['per_device_batch_size']:>9g} "
+        line = (f"{i:>4}  {r['mesh']:<52} {r['remat_policy']:<17} {r['per_device_batch_size']:>9g} "
                 f"{r['global_batch']:>7} {m['total'] / TP.GiB:>11.2f} {100 * m['total'] / m['hbm']:>5.1f} "
                 f"{e['step_s']:>8.3f} {100 * e['mfu']:>5.1f} {e['tokens_per_s_per_chip']:>10.0f}")
+        if host:
+            line += f" {m.get('host_temporaries', 0) / TP.GiB:>8.2f} {e.get('t_host', 0.0):>7.3f}"
         if multi:
             line += (f" {r['dcn_axis']:>11} {100 * e['bubble']:>7.1f} {r['collectives']['cross_slice_bytes'] / 1e9:>10.1f} "
                      f"{e['t_dcn'] + e['t_hops']:>7.3f}")
@@ -213,7 +223,9 @@ def table(rows: list[dict], seq: int) -> str:
     if ok:
         lines.append("step s, MFU% and tok/s/chip are roofline bounds: the slowest of compute at peak, XLA's HBM "
                      "bytes and the analytic collective bytes at ICI and DCN bandwidth, fully overlapped"
-                     + ("; a pipelined step is that / (1 - bubble) plus its stage hops (k3jax.roofline)" if multi else ""))
+                     + ("; a pipelined step is that / (1 - bubble) plus its stage hops (k3jax.roofline)" if multi else "")
+                     + ("; host GiB: offloaded activations per device, host s: them out and back over the host link"
+                        if host else ""))
     rejected = [r for r in rows if r not in ok]
     if rejected:
         lines.append(f"not fitting or not compiling (sequence length {seq}):")

@@ -12,29 +12,45 @@ from k3jax import counts
 from k3jax import topology as TP
 from k3jax.layers.common import is_variable
 from k3jax.layout import layout
+from k3jax.remat import recompute_factor
 from k3jax.schema import MESH_AXES
 from k3jax.stages import block_flags, bubble_fraction, cache_depth
 from k3jax.validation import num_stages, pipeline_microbatches
 
 
 def roofline(flops_per_device: float, bytes_per_device: float, chip: TP.Chip, ici_bytes: float = 0.0,
-             dcn_bytes: float = 0.0, hop_s: float = 0.0, bubble: float = 0.0) -> dict:
+             dcn_bytes: float = 0.0, hop_s: float = 0.0, bubble: float = 0.0, host_bytes: float = 0.0) -> dict:
     """Lower-bound step time: the slowest of compute at peak, HBM traffic at full bandwidth and
-    (when given) the analytic collective traffic at the chip's ICI and DCN bandwidths, all
-    overlapped; a pipelined step (``bubble`` > 0) takes 1 / (1 - bubble) of that, plus ``hop_s``, its
-    stage hand-offs, which sit on the pipeline's critical path (each iteration waits for the last).
-    ``exposed_s``: the part of the step compute and HBM traffic do not cover (collectives beyond
-    them, and the hops). ``dcn_unknown``: DCN bytes on a chip whose DCN bandwidth is not in the
-    chip table, left out of the bound."""
+    (when given) the analytic collective traffic at the chip's ICI and DCN bandwidths and the
+    host-memory traffic of offloaded activations (``host_bytes``: ``host_transfer_bytes``) at its
+    host link's one-way bandwidth, all overlapped; a pipelined step (``bubble`` > 0) takes 1 / (1 -
+    bubble) of that, plus ``hop_s``, its stage hand-offs, which sit on the pipeline's critical path
+    (each iteration waits for the last). ``exposed_s``: the part of the step compute and HBM traffic
+    do not cover (collectives and host copies beyond them, and the hops). ``dcn_unknown`` /
+    ``host_unknown``: DCN / host bytes on a chip whose bandwidth for them is not in the chip table,
+    left out of the bound."""
     t_compute = flops_per_device / chip.peak_flops
     t_memory = bytes_per_device / chip.hbm_bandwidth
     t_ici = ici_bytes / chip.ici_bandwidth if ici_bytes and chip.ici_bandwidth else 0.0
     t_dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes and chip.dcn_bandwidth else 0.0
+    t_host = host_bytes / chip.host_bandwidth if host_bytes and chip.host_bandwidth else 0.0
     stretch = 1.0 / (1.0 - bubble)
-    step = max(t_compute, t_memory, t_ici, t_dcn) * stretch + hop_s
-    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici, "t_dcn": t_dcn, "t_hops": hop_s,
-            "bubble": bubble, "step_s": step, "exposed_s": step - max(t_compute, t_memory) * stretch,
-            "dcn_unknown": bool(dcn_bytes) and not chip.dcn_bandwidth}
+    step = max(t_compute, t_memory, t_ici, t_dcn, t_host) * stretch + hop_s
+    return {"t_compute": t_compute, "t_memory": t_memory, "t_ici": t_ici, "t_dcn": t_dcn, "t_host": t_host,
+            "t_hops": hop_s, "bubble": bubble, "step_s": step,
+            "exposed_s": step - max(t_compute, t_memory) * stretch,
+            "dcn_unknown": bool(dcn_bytes) and not chip.dcn_bandwidth,
+            "host_unknown": bool(host_bytes) and not chip.host_bandwidth}
+
+
+def host_transfer_bytes(cfg, memory: dict) -> float:
+    """Bytes one device moves over its host link per train step for offloaded activations: what the
+    compiled step holds in host memory (``k3jax.compile.memory_report``'s host_temporaries, every
+    offloaded tensor once: 16.00 of 16.00 MiB in benchmarks/offload_probe.py) written in the forward
+    and read back in the backward, once per gradient-accumulation microbatch. The two directions
+    are counted one after the other on the one-way bandwidth, since the writes happen in the
+    forward and the reads in the backward."""
+    return 2.0 * memory.get("host_temporaries", 0.0) * cfg.train.gradient_accumulation_steps
 
 
 def _mesh_axes(entry) -> tuple:
@@ -246,11 +262,11 @@ def context_attention_factor(cfg, cp: int) -> float:
 
 
 def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_bytes: float = 0.0,
-                   media: dict | None = None, comm: dict | None = None) -> dict:
+                   media: dict | None = None, comm: dict | None = None, host_bytes: float = 0.0) -> dict:
     """Analytic model FLOPs (6N-style, for MFU) and the roofline step time / MFU / tokens/s/chip;
     ``media``: the VL step's ``k3jax.compile.media_plan`` (None for text). ``comm``: the step's
     ``collective_bytes``; when given, its ICI and DCN terms, stage hops and bubble (``estimate_terms``)
-    replace ``ici_bytes``.
+    replace ``ici_bytes``. ``host_bytes``: the offloaded activations' host traffic (``host_transfer_bytes``).
 
     Compute time uses the executed FLOPs: model FLOPs x remat factor (full remat re-runs the forward:
     4/3; save_dot keeps matmul outputs: ~1) or XLA's count when larger. Memory time uses XLA's bytes
@@ -261,13 +277,13 @@ def train_estimate(cfg, gb: int, n_dev: int, chip: TP.Chip, cost: dict, ici_byte
     per_tok = counts.train_flops_per_token(m, t.max_target_length, cfg.kernel.kda_chunk_size)
     vision = gb * counts.vision_train_flops(cfg.vision, m.hidden_size, media["grids"], t.freeze) if media else 0.0
     model_flops = (per_tok * tokens + vision) / n_dev
-    remat = {"none": 1.0, "save_dot": 1.0, "save_mixer_out": 4.0 / 3.0, "full": 4.0 / 3.0}[t.remat_policy]
+    remat = recompute_factor(t)
     # Context parallelism: MLA's walk does more than the causal attention core on the busiest shard.
     core = 3.0 * len(m.mla_layer_set) * counts.mla_attention_flops_per_token(m, t.max_target_length)
     cp_extra = (context_attention_factor(cfg, cfg.context_size(n_dev)) - 1.0) * core * tokens / n_dev
     executed = max((model_flops + cp_extra) * remat, cost["flops"])
     terms = estimate_terms(comm, chip) if comm is not None else {"ici_bytes": ici_bytes}
-    r = roofline(executed, cost["bytes"], chip, **terms)
+    r = roofline(executed, cost["bytes"], chip, host_bytes=host_bytes, **terms)
     r.update({"tokens": tokens, "flops_per_token": per_tok, "model_flops_per_device": model_flops,
               "vision_flops_per_device": vision / n_dev,
               "executed_flops_per_device": executed,

@@ -38,6 +38,7 @@ class Chip:
     ici_gbps_per_chip: float = 0.0  # ICI bandwidth into one chip, one direction, GB/s (0: unknown)
     device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings of this chip (MFU on a live TPU)
     dcn_gbps_per_chip: float = 0.0  # data center network (between slices) per chip, Gbit/s (0: unknown)
+    host_gbps_per_chip: float = 0.0  # PCIe link to the host's memory, one direction, GB/s (0: unknown)
 
     @property
     def hbm_bytes(self) -> float:
@@ -60,6 +61,11 @@ class Chip:
         return self.dcn_gbps_per_chip * 1e9 / 8 / self.devices_per_chip
 
     @property
+    def host_bandwidth(self) -> float:
+        """Host-memory bytes/s of one JAX device, one direction (its share of the chip's PCIe link); 0 when unknown."""
+        return self.host_gbps_per_chip * 1e9 / self.devices_per_chip
+
+    @property
     def hbm_bandwidth(self) -> float:
         """HBM bytes/s of one JAX device."""
         return self.hbm_gbps_per_chip * 1e9 / self.devices_per_chip
@@ -72,11 +78,14 @@ CHIPS = {
     # DCN (between slices), Gbit/s per chip, from the "Data center network (DCN) bandwidth per chip"
     # rows of the Cloud TPU system-architecture tables: v5p 50 (cloud.google.com/tpu/docs/v5p), v6e
     # 100 and TPU7x 100 (cloud.google.com/tpu/docs/tpu7x, which lists all three); v5e and v4 unknown.
-    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0, ("TPU v5p", "TPU v5"), 50.0),
+    # Host link (PCIe, what an offload to pinned_host crosses), GB/s per chip one way: "typically around
+    # 1.5e10 bytes / second per chip", v6e "32GB/s, about 2x higher than v5" (How to Scale Your Model,
+    # part 2, jax-ml.github.io/scaling-book/tpus); no published figure for TPU7x (left unknown).
+    "v5p": Chip("v5p", 95 * GiB, 459.0, 2765.0, 1, 2, 3, 600.0, ("TPU v5p", "TPU v5"), 50.0, 15.0),
     "tpu7x": Chip("tpu7x", 192e9, 2307.0, 7370.0, 2, 2, 3, 600.0, ("TPU7x",), 100.0),
-    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0, ("TPU v6e", "TPU v6 lite"), 100.0),
-    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0, ("TPU v5e", "TPU v5 lite")),
-    "v4": Chip("v4", 32 * GiB, 275.0, 1200.0, 1, 2, 3, 0.0, ("TPU v4",)),
+    "v6e": Chip("v6e", 32 * GiB, 918.0, 1640.0, 1, 1, 2, 448.0, ("TPU v6e", "TPU v6 lite"), 100.0, 32.0),
+    "v5e": Chip("v5e", 16 * GiB, 197.0, 819.0, 1, 1, 2, 200.0, ("TPU v5e", "TPU v5 lite"), 0.0, 15.0),
+    "v4": Chip("v4", 32 * GiB, 275.0, 1200.0, 1, 2, 3, 0.0, ("TPU v4",), 0.0, 15.0),
 }
 
 
