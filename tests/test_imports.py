@@ -1,5 +1,6 @@
 """No import cycles among the modules of src/k3jax and conversion/; no k3jax module imported inside a
-function (a lazy third-party import says why); imports name the module that defines the name.
+function (a lazy third-party import says why); imports name the module that defines the name;
+and (at the end) no function in serve/ or inference/ over 120 lines.
 
 The import graph is read from the source with `ast`; nothing is imported, so a cycle is found
 even when no test happens to trigger it (a cycle through a function-level import only bites
@@ -283,3 +284,31 @@ def test_imports_name_the_defining_module():
                 if src and f"{node.module}.{alias.name}" not in modules:
                     found.append(f"{_where(path)}:{node.lineno}: {alias.name} from {node.module} (defined in {src})")
     assert not found, "imports through a re-exporting __init__:\n  " + "\n  ".join(found)
+
+
+# ---- how long a function may grow (issue 51, item 4) ----
+
+MAX_FUNCTION_LINES = 120
+SHORT_FUNCTION_PACKAGES = ("serve", "inference")     # under src/k3jax
+
+
+def function_lengths(root: Path) -> dict[str, int]:
+    """'file:line name' -> lines from ``def`` to its last line (decorators not counted), for every
+    function, method and nested function of the .py files under ``root``."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[f"{_where(path)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_no_long_functions_in_serve_and_inference():
+    """A function over 120 lines (a closure holding every route, a constructor doing five jobs) is
+    more than a reader can hold at once: split it by concern."""
+    lengths = {}
+    for pkg in SHORT_FUNCTION_PACKAGES:
+        lengths |= function_lengths(REPO / "src" / "k3jax" / pkg)
+    assert any(k.endswith(" create_app") for k in lengths)                      # found them
+    long = sorted(f"{k}: {n} lines" for k, n in lengths.items() if n > MAX_FUNCTION_LINES)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(long)
