@@ -1,7 +1,7 @@
 """k3jax parameters -> Hugging Face safetensors, streamed.
 
     python -m conversion.k3jax_to_hf --ckpt CKPT --out D [--model_name ...] [--dtype bfloat16]
-                                     [--tokenizer_dir DIR]
+                                     [--experts_format dense|mxfp4|int4] [--tokenizer_dir DIR]
 
 ``CKPT`` is anything ``load_parameters_path`` accepts (a converter output, a run or step directory).
 The model config is ``--model_name``, a converter output's ``model.yml`` or a training run's
@@ -14,7 +14,12 @@ The model config is ``--model_name``, a converter output's ``model.yml`` or a tr
 - K3-shaped configs get the released K3 remote-code layout: ``language_model.`` prefix,
   ``{q,k,v}_conv1d``, ``block_sparse_moe`` with per-expert ``w1/w2/w3``, ``A_log`` zero-padded to
   [128], and a ``kimi_k3`` config with the text model under ``text_config``. Routed experts are
-  written dense (no MXFP4 re-quantisation), so the output is about 4x the released size.
+  written dense by default (about 4x the released size); ``--experts_format mxfp4`` writes them as
+  the release stores them (compressed-tensors ``mxfp4-pack-quantized``: ``weight_packed`` E2M1 codes
+  + ``weight_scale`` E8M0 bytes per 32 inputs, ``quantization_config`` in config.json), and
+  ``--experts_format int4`` as K2-Thinking / K2.5 do (``pack-quantized`` int4, group 32, BF16
+  scales). A model fine-tuned with ``experts_qat=mxfp4`` exports to exactly the weights its
+  training forward used (``conversion.quant.quant_mxfp4`` is the rounding ``fake_mxfp4`` reproduces).
 - Kimi K2 / DeepSeek-V3-shaped configs (RoPE MLA) get the released K2 names (per-expert
   ``mlp.experts.N.{gate,up,down}_proj``) and a ``deepseek_v3`` config, which transformers loads.
 - With ``vision_enabled`` the tower and projector (``<ckpt>/vision``, as ``hf_to_k3jax`` writes it)
@@ -37,11 +42,28 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from conversion import hf_files, param_map, vision_map
+from conversion import hf_files, param_map, quant, vision_map
 from conversion.errors import ConversionError
 
 # Tensor-name endings that K3 checkpoints keep in float32 (k3-architecture.md section 8).
 F32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+# The routed experts' stored layouts (--experts_format) and the quantization_config each declares:
+# K3's release (MXFP4) and K2-Thinking / K2.5's (int4, group 32, symmetric).
+EXPERT_FORMATS = {"dense": "bf16", "mxfp4": "mxfp4", "int4": "int4_pack"}
+_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*lm_head.*"]
+QUANTIZATION_CONFIGS = {
+    "mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+              "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                            "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                                                        "group_size": 32, "symmetric": True}}},
+              "ignore": _IGNORE},
+    "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                           "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                       "group_size": 32, "symmetric": True}}},
+             "ignore": _IGNORE},
+}
 
 
 def open_item(item_dir) -> dict[tuple, object]:
@@ -162,10 +184,11 @@ def hf_config(m, layout: str, dtype: str, vision=None) -> dict:
 
 
 def _plan(model, m, layout):
-    """[(hf name, [(state path, index, to_hf)...], each_hf or None)] in checkpoint order; fused HF
-    tensors (rules with to_hf None) collect every rule that feeds them, in rule order."""
+    """([(hf name, [(state path, index, to_hf)...])] in checkpoint order, the names of the routed
+    experts' per-expert matrices); fused HF tensors (rules with to_hf None) collect every rule that
+    feeds them, in rule order."""
     groups: dict[str, list] = {}
-    order = []
+    order, experts = [], set()
 
     def add(rules, loc, index):
         for our, hf, _, to_hf in rules:
@@ -173,6 +196,7 @@ def _plan(model, m, layout):
             if to_hf is not None and hasattr(to_hf, "each_hf"):  # per-expert names
                 for e, name in enumerate(hf):
                     order.append((name, [(path, (*index, e), to_hf.each_hf)]))
+                    experts.add(name)
                 continue
             (name,) = hf
             if name not in groups:
@@ -184,7 +208,7 @@ def _plan(model, m, layout):
     for l in range(m.num_layers):
         loc, idx = model.layout.where(l)
         add(param_map.layer_rules(m, l, layout), loc, () if idx is None else (idx,))
-    return order
+    return order, experts
 
 
 def _vision_plan(cfg, params_dir: Path, leaves: dict, inner: dict) -> list:
@@ -233,13 +257,14 @@ def load_config(ckpt, model_name: str | None):
 
 
 def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**30, progress=True,
-           tokenizer_dir=None) -> dict:
+           tokenizer_dir=None, experts_format="dense") -> dict:
     """Write ``ckpt`` as a Hugging Face checkpoint in ``out``; see the module docstring.
 
     The tokenizer, chat template and generation config are copied from ``tokenizer_dir`` or, when
     it is None, from where ``hf_files.find_source`` finds them (the converter output, or the
     tokenizer a training run used); with none found the export holds weights and config only, and
-    a note says so.
+    a note says so. ``experts_format`` (dense | mxfp4 | int4) is how the routed experts are stored
+    (module docstring); mxfp4 and int4 need a model with per-expert matrices (K3 / K2 layouts).
 
     Raises ConversionError when the checkpoint lacks parameters the config needs (listing them; e.g.
     a ``--experts_format mxfp4`` conversion, whose dense experts are absent), holds unexpected ones,
@@ -251,12 +276,18 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
     from k3jax import model as M
     from k3jax.checkpoint import resolve_params_dir
     t0 = time.perf_counter()
+    if experts_format not in EXPERT_FORMATS:
+        raise ConversionError(f"experts_format={experts_format!r}: choose one of {sorted(EXPERT_FORMATS)}")
     cfg = load_config(ckpt, model_name)
     m, vis = cfg.model, cfg.vision.vision_enabled
     if m.mla_use_rope:
         layout = "deepseek_prefixed" if vis else "deepseek"
     else:
         layout = "native" if is_kimi_linear_shaped(m) and not vis else "remote_prefixed"
+    if experts_format != "dense" and layout == "native":
+        raise ConversionError(f"--experts_format {experts_format}: this Kimi Linear-shaped config exports to "
+                              f"transformers' native kimi_linear layout, whose fused expert tensors have no "
+                              f"quantized form; export it with --experts_format dense")
     params_dir = resolve_params_dir(ckpt)
     leaves = open_item(params_dir)
     inner = {p[1:]: leaves.pop(p) for p in [p for p in leaves if p[0] == "vision"]}   # a training checkpoint's tower
@@ -277,7 +308,12 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
             raise ConversionError(f"{params_dir}: {'.'.join(map(str, p))} has shape {tuple(leaves[p].shape)} "
                                   f"but the model config needs {shape} (wrong --model_name?)")
     out = Path(out)
-    plan = _plan(model, m, layout)
+    plan, experts = _plan(model, m, layout)
+    odd = [w for w in (m.routed_width, m.moe_intermediate_size) if w % 32]
+    if experts_format != "dense" and experts and odd:
+        raise ConversionError(f"--experts_format {experts_format}: the routed experts' input widths "
+                              f"({m.routed_width}, {m.moe_intermediate_size}) must be multiples of 32 (one scale per "
+                              f"32 inputs); export with --experts_format dense")
     if vis:
         plan += _vision_plan(cfg, params_dir, leaves, inner)
     n_bytes = 0
@@ -289,13 +325,22 @@ def export(ckpt, out, model_name=None, dtype="bfloat16", max_shard_bytes=5 * 2**
                 t = sources[0][2](arrays[0])
             else:
                 t = param_map.fuse_to_hf(name, arrays)
+            if name in experts and experts_format != "dense":
+                for suffix, arr in quant.encode_weight(np.asarray(t, np.float32), EXPERT_FORMATS[experts_format],
+                                                       name=name).items():
+                    w.add(name[: -len("weight")] + suffix, np.ascontiguousarray(arr))
+                    n_bytes += arr.nbytes
+                continue
             keep32 = dtype == "float32" or name.endswith(F32_SUFFIXES)
             t = np.ascontiguousarray(t, dtype=np.float32 if keep32 else ml_dtypes.bfloat16)
             w.add(name, t)
             n_bytes += t.nbytes
             if progress and (i % 200 == 0 or i == len(plan) - 1):
                 print(f"\r{i + 1}/{len(plan)} tensors, {n_bytes / 2**20:,.1f} MiB", end="", file=sys.stderr)
-    (out / CONFIG_NAME).write_text(json.dumps(hf_config(m, layout, dtype, cfg.vision if vis else None), indent=2))
+    config = hf_config(m, layout, dtype, cfg.vision if vis else None)
+    if experts_format != "dense":
+        config.get("text_config", config)["quantization_config"] = QUANTIZATION_CONFIGS[experts_format]
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     side_src = Path(tokenizer_dir) if tokenizer_dir else hf_files.find_source(params_dir)
     if tokenizer_dir and not hf_files.has_tokenizer(side_src):
         raise ConversionError(f"--tokenizer_dir {tokenizer_dir}: no tiktoken.model or tokenizer.json there")
@@ -320,6 +365,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model_name", default=None, help="model config; default <ckpt>/model.yml")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit")
+    ap.add_argument("--experts_format", default="dense", choices=sorted(EXPERT_FORMATS),
+                    help="routed experts as stored: dense (--dtype), mxfp4 (K3's release layout) or int4 "
+                         "(K2-Thinking / K2.5's pack-quantized); a model trained with experts_qat=mxfp4 "
+                         "exports with mxfp4 to exactly the weights its training forward used")
     ap.add_argument("--tokenizer_dir", default=None,
                     help="copy the tokenizer, chat template and generation config from here; default: found "
                          "beside a converter output or through the training run's config.yml")
@@ -328,7 +377,7 @@ def main(argv=None) -> int:
     def run():
         a = ap.parse_args(argv)
         export(a.ckpt, a.out, a.model_name, a.dtype, int(a.max_shard_gb * 2**30), progress=not a.quiet,
-               tokenizer_dir=a.tokenizer_dir)
+               tokenizer_dir=a.tokenizer_dir, experts_format=a.experts_format)
     return guard(run)
 
 

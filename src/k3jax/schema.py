@@ -79,6 +79,9 @@ class ModelConfig:
     topk_group: int = _f(1, "groups kept in grouped top-k")
     experts_format: str = _f("dense", "routed-expert weights in memory: dense (weight_dtype) | mxfp4 (packed E2M1 codes + E8M0 "
                              "scale per 32 inputs, 4.25 bits; decode/serve; training needs freeze=[experts])", ("dense", "mxfp4"))
+    experts_qat: str = _f("none", "quantization-aware training of the routed experts: none | mxfp4 (the forward uses the "
+                          "dense master weights rounded as the converter packs MXFP4, the gradient passes straight "
+                          "through; export with k3jax_to_hf --experts_format mxfp4)", ("none", "mxfp4"))
     # Block Attention Residuals
     attn_res: bool = _f(True, "Block Attention Residuals (K3) instead of plain residual adds")
     attn_res_block_size: int = _f(8, "decoder layers per AttnRes block (K3: 12)")

@@ -68,7 +68,11 @@ def _reduce_micro_aux(auxs):
 # ---- the step ---------------------------------------------------------------------------------
 
 def check_trainable(cfg) -> None:
-    """Packed MXFP4 experts have no gradient; training them must be asked for explicitly as frozen."""
+    """Packed MXFP4 experts have no gradient; training them must be asked for explicitly as frozen.
+    Quantization-aware training of frozen experts would train nothing it is for."""
+    if cfg.model.experts_qat != "none" and {"experts", "moe"} & set(cfg.train.freeze):
+        raise ConfigError(f"experts_qat={cfg.model.experts_qat} trains the routed experts through their rounding, but "
+                          f"freeze={cfg.train.freeze} freezes them; drop experts from freeze or set experts_qat=none")
     if cfg.model.experts_format == "mxfp4" and not {"experts", "moe"} & set(cfg.train.freeze):
         raise ConfigError(f"experts_format=mxfp4 keeps the routed experts packed (4-bit, not trainable), but "
                           f"freeze={cfg.train.freeze} does not freeze them; add experts to freeze "

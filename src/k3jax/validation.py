@@ -49,11 +49,16 @@ def validate(cfg: Config, num_devices: int | None = None, platform: str | None =
         if m.num_experts % m.n_group or m.topk_group > m.n_group:
             raise ConfigError(f"n_group={m.n_group}, topk_group={m.topk_group}: n_group must divide num_experts="
                               f"{m.num_experts} and topk_group <= n_group")
-    if m.experts_format == "mxfp4" and m.first_k_dense < m.num_layers:
+    if m.experts_qat == "mxfp4" and m.experts_format != "dense":
+        raise ConfigError(f"experts_qat=mxfp4 trains dense master weights and rounds them in the forward, but "
+                          f"experts_format={m.experts_format} keeps the experts packed; load the checkpoint with "
+                          f"experts_format=dense (a packed conversion: convert it with --experts_format dense)")
+    mx = "experts_format" if m.experts_format == "mxfp4" else "experts_qat" if m.experts_qat == "mxfp4" else None
+    if mx and m.first_k_dense < m.num_layers:
         odd = {k: v for k, v in (("moe_intermediate_size", m.moe_intermediate_size),
                                  ("moe_latent_size" if m.moe_latent_size else "hidden_size", m.routed_width)) if v % 32}
         if odd:
-            raise ConfigError(f"experts_format=mxfp4 needs the routed experts' input widths to be multiples of 32 "
+            raise ConfigError(f"{mx}=mxfp4 needs the routed experts' input widths to be multiples of 32 "
                               f"(one E8M0 scale per 32 inputs); got {odd}")
     if m.experts_format == "mxfp4" and k.moe_impl == "tokamax_ragged_dot" and m.first_k_dense < m.num_layers:
         raise ConfigError("experts_format=mxfp4 with moe_impl=tokamax_ragged_dot: tokamax takes quantized experts as "

@@ -13,7 +13,7 @@ from k3jax.kernels.moe import balance, dispatch, routing
 from k3jax.kernels.moe.expert_parallel import moe_expert_parallel
 from k3jax.kernels.moe.gmm import resolve_impl as resolve_moe_impl
 from k3jax.kernels.platform import resolve
-from k3jax.kernels.moe.quantized import MX_BLOCK, MXFP4
+from k3jax.kernels.moe.quantized import MX_BLOCK, MXFP4, fake_mxfp4
 from k3jax.layers.common import MLP, Packed, RouterBias, glu_activation, ones, param, rms_norm, zeros
 
 
@@ -102,6 +102,8 @@ class MoE(nnx.Module):
         ws = (self.w_gate, self.w_up, self.w_down)
         if self.cfg.experts_format == "mxfp4":
             return tuple(w.operand() for w in ws)
+        if self.cfg.experts_qat == "mxfp4":      # the packed export's values, straight-through gradient
+            return tuple(fake_mxfp4(w[...]).astype(dtype) for w in ws)
         return tuple(jnp.asarray(w[...], dtype) for w in ws)   # a jax array even from numpy values (indexed by tracers)
 
     def _dispatch(self, x, w, idx):

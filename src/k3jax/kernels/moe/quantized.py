@@ -20,6 +20,12 @@ Every value of an E2M1 code times a power of two is exact in float32 and bfloat1
 bits), so ``dequantize`` equals the converter's numpy decoder (conversion/quant.py) bit for bit,
 except that XLA flushes float32 subnormals (and, measured on XLA:CPU, 2^-126) to zero: only
 scale bytes 0 and 1 (|w| <= 2^-124) reach them; real checkpoints do not.
+
+Quantization-aware training (``experts_qat=mxfp4``): ``fake_mxfp4`` rounds dense master weights to
+the values the converter's encoder (``conversion/quant.quant_mxfp4``: OCP shared exponent
+floor(log2(amax)) - 2 per 32-block, E2M1 round to nearest with ties to the even code, saturation
+at +-6) and this module's decoder give, in float32, so a forward on them equals a forward on the
+packed export bit for bit; its gradient passes straight through to the master weights.
 """
 from __future__ import annotations
 
@@ -29,9 +35,12 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["MXFP4", "MX_BLOCK", "e2m1_value", "e8m0_factor", "dequantize", "as_dense",
-           "from_checkpoint_layout", "bits_per_weight"]
+           "from_checkpoint_layout", "bits_per_weight", "mxfp4_round", "fake_mxfp4"]
 
 MX_BLOCK = 32   # one E8M0 scale per 32 consecutive K elements (OCP MX)
+# E2M1 magnitudes by code 0..7 and the midpoints between neighbours (round to nearest).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 @jax.tree_util.register_dataclass
@@ -113,3 +122,40 @@ def bits_per_weight(w: MXFP4) -> float:
     for s in w.shape:
         n *= s
     return 8.0 * nbytes / n
+
+
+def mxfp4_round(w: jax.Array) -> jax.Array:
+    """Dense [..., K, N] (K % 32 == 0) -> float32 [..., K, N]: ``dequantize`` of what the
+    converter's ``quant_mxfp4`` packs from ``w`` (blocks of 32 along K), computed without packing.
+
+    Per block: E8M0 byte s = clip(floor(log2(amax)) - 2 + 127, 0, 254) (127 for an all-zero block);
+    w / 2^(s - 127) rounded to the nearest E2M1 magnitude (a tie goes to the even code), saturating
+    at 6, the sign kept (a negative weight that rounds to 0 gives -0, as its code does)."""
+    *lead, k, n = w.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"MXFP4 rounding needs K (axis -2) a multiple of {MX_BLOCK}, got {w.shape}")
+    blocks = w.astype(jnp.float32).reshape(*lead, k // MX_BLOCK, MX_BLOCK, n)
+    amax = jnp.max(jnp.abs(blocks), axis=-2, keepdims=True)
+    _, e = jnp.frexp(amax)                            # amax = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
+    scale = jnp.where(amax > 0, jnp.clip(e.astype(jnp.int32) - 1 - 2 + 127, 0, 254), 127)
+    mag = jnp.abs(blocks * e8m0_factor(254 - scale))  # w / 2^(s - 127), exact (a power of two)
+    code = sum((mag > m).astype(jnp.int32) for m in _E2M1_MIDPOINTS)     # at a midpoint: the lower code
+    tie = (code < 7) & (mag == jnp.asarray(_E2M1_MIDPOINTS + (0.0,), jnp.float32)[code])
+    code = code + (tie & (code % 2 == 1)).astype(jnp.int32)            # ... or the even one of the two
+    val = jnp.asarray(_E2M1, jnp.float32)[code]
+    val = jnp.where(jnp.signbit(blocks), -val, val)
+    return (val * e8m0_factor(scale)).reshape(w.shape)
+
+
+@jax.custom_vjp
+def _fake_mxfp4_f32(w):
+    return mxfp4_round(w)
+
+
+_fake_mxfp4_f32.defvjp(lambda w: (mxfp4_round(w), None), lambda _, g: (g,))
+
+
+def fake_mxfp4(w: jax.Array) -> jax.Array:
+    """``mxfp4_round(w)`` (float32) with a straight-through gradient: d/dw is the identity, so the
+    optimizer updates the dense master weights as if the rounding were not there."""
+    return _fake_mxfp4_f32(w.astype(jnp.float32))
