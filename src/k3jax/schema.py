@@ -466,6 +466,9 @@ class RLConfig:
     rl_tools: list = _f([], "tools a rollout may call, name=module:function each (a dict of arguments goes in as "
                          "keywords; a failure or a timeout becomes the tool message); with rl_max_turns > 1")
     rl_tool_timeout_s: float = _f(10.0, "seconds a tool call may take before its message says it timed out")
+    rl_shuffle_rewards: bool = _f(False, "a control for experiments, not for training: each group's rewards go to "
+                                  "another prompt's group before the advantages (scale kept, link to the completions "
+                                  "cut), so what is learnt without the reward's information can be measured")
 
 
 SECTIONS = {"model": ModelConfig, "vision": VisionConfig, "kernel": KernelConfig, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig,

@@ -10,9 +10,19 @@ recompilation; its seconds are ``weight_sync_s``). Metrics go to stdout and ``me
 the run directory; the last step's parameters are saved there (``checkpoints/``), loadable with
 ``load_parameters_path`` by train, decode and serve.
 
-Not yet: resume of an interrupted run, several processes (a pod), a held-out evaluation pass, the
-reference model of ``rl_beta > 0``, ``rl_num_iterations > 1`` (each needs old log-probs the loop
-does not keep): each is refused with a one-line error.
+Held-out evaluation (``eval_dataset_path``, read like dataset_path: the same keys as train's
+evaluation): greedy completions of the held-out prompts through the same programs (``rl.evaluate``:
+``eval_pass@1``, ``eval_reward`` and its components) before the first step (a record of step 0: the
+starting policy), every ``eval_interval`` steps and after the last, in that step's record.
+
+``rl_shuffle_rewards`` (a control for experiments): each group's rewards go to another prompt's group
+before the advantages (a derangement of the groups, seeded by the step), so the reward scale and
+spread stay and only their link to the completions is cut; learning under it is what the loop does
+without the reward's information.
+
+Not yet: resume of an interrupted run, several processes (a pod), the reference model of
+``rl_beta > 0``, ``rl_num_iterations > 1`` (each needs old log-probs the loop does not keep): each
+is refused with a one-line error.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ from k3jax.inference.generate import Generator, Sampling
 from k3jax.inference.programs import Programs
 from k3jax.metrics import MetricsWriter
 from k3jax.optim.muon import make_optimizer
+from k3jax.rl.evaluate import evaluate, heldout_count
 from k3jax.rl.objectives import rl_loss
 from k3jax.rl.prompts import check_prompts, prompt_dataset
 from k3jax.rl.rewards import RewardSet, join_turns
@@ -96,10 +107,24 @@ def batch_arrays(prompts, samples, length: int):
     return tokens, mask, beh
 
 
-def run(cfg) -> dict:
+def shuffle_groups(rewards: np.ndarray, num_generations: int, seed: int) -> np.ndarray:
+    """The control of ``rl_shuffle_rewards``: rewards [B] in groups of ``num_generations`` -> the same
+    groups, each moved to another group's rows (a random derangement: no group keeps its own; one
+    group stays where it is)."""
+    groups = rewards.reshape(-1, num_generations)
+    n = len(groups)
+    order = np.random.default_rng(seed).permutation(n)
+    out = groups.copy()
+    out[order] = groups[np.roll(order, -1)]       # order[i]'s rows get order[i + 1]'s rewards
+    return out.reshape(-1)
+
+
+def run(cfg, devices=None) -> dict:
+    """The RL run of ``cfg`` on ``devices`` (default: all of this process's) -> its history, final
+    params, checkpoint and programs."""
     check_supported(cfg)
     rl = cfg.rl
-    mesh = make_mesh(cfg)
+    mesh = make_mesh(cfg, devices)
     rows = check_batch(cfg, mesh.devices.size)
     g = rl.rl_num_generations
     n_prompts = max(1, rows // g)
@@ -107,6 +132,10 @@ def run(cfg) -> dict:
     rewards = RewardSet.from_config(rl)
     check_prompts(cfg, tok, rewards.fields)
     prompts = prompt_dataset(cfg, tok, rewards.fields)
+    if cfg.eval.eval_dataset_path:
+        check_prompts(cfg, tok, rewards.fields, held_out=True)
+        heldout = prompt_dataset(cfg, tok, rewards.fields, held_out=True)
+        heldout = [heldout[k] for k in range(heldout_count(cfg, len(heldout), n_prompts * g))]
     tools = load_tools(rl.rl_tools) if rl.rl_tools else {}
     model = load_model(cfg, mesh)
     length = cfg.train.max_target_length
@@ -123,6 +152,23 @@ def run(cfg) -> dict:
     run_dir = paths.run_dir(cfg)
     writer = MetricsWriter(run_dir, tensorboard=False)
     history = []
+
+    def held_out_eval() -> dict:
+        if not cfg.eval.eval_dataset_path:
+            return {}
+        t = time.perf_counter()
+        with jax.set_mesh(mesh):
+            res = evaluate(gen, tok, heldout, rewards, max_new_tokens=rl.rl_max_new_tokens, max_turns=rl.rl_max_turns,
+                           tools=tools, tool_timeout=rl.rl_tool_timeout_s)
+        return {**res.metrics, "eval_s": time.perf_counter() - t}
+
+    def log(rec):
+        writer.write(rec)
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
+
+    start = held_out_eval()
+    if start:
+        log({"step": 0, **start})
     for i in range(cfg.train.steps):
         t0 = time.perf_counter()
         if cfg.data.num_epoch and (i + 1) * n_prompts > len(prompts):   # grain would wrap around
@@ -139,8 +185,9 @@ def run(cfg) -> dict:
         totals, comps, errors = rewards.score_batch([(batch[s.prompt_index].record, batch[s.prompt_index].where)
                                                      for s in samples], replies)
         tokens, mask, beh = batch_arrays(batch, samples, length)
+        trained = shuffle_groups(totals, g, cfg.train.seed * 1_000_003 + i) if rl.rl_shuffle_rewards else totals
         with jax.set_mesh(mesh):
-            params, opt_state, loss, metrics = step(params, rest, opt_state, tokens, mask, totals, beh)
+            params, opt_state, loss, metrics = step(params, rest, opt_state, tokens, mask, trained, beh)
             t1 = time.perf_counter()
             progs.update_weights(params)
             jax.block_until_ready(progs.state)
@@ -151,10 +198,13 @@ def run(cfg) -> dict:
                "tool_errors": sum(s.tool_errors for s in samples),
                "completion_tokens": int(sum(sum(s.mask) for s in samples)),
                "rollout_s": t_roll, "weight_sync_s": time.perf_counter() - t1, "step_s": time.perf_counter() - t0}
+        if (i + 1) % cfg.eval.eval_interval == 0 or i + 1 == cfg.train.steps:
+            rec.update(held_out_eval())
         history.append(rec)
-        writer.write(rec)
-        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
+        log(rec)
+    if history and cfg.eval.eval_dataset_path and "eval_pass@1" not in history[-1]:    # stopped early
+        log({"step": history[-1]["step"], **held_out_eval()})
     writer.close()
     saved = save_weights(run_dir / "checkpoints", params, rest, len(history))
     print(f"saved {saved}")
-    return {"history": history, "params": params, "checkpoint": saved, "programs": progs}
+    return {"history": history, "start_eval": start, "params": params, "checkpoint": saved, "programs": progs}
