@@ -23,6 +23,7 @@ stage=4 (its reference and its program, 211 s of the 2-core CI host), the contex
 context=2 x fsdp=4, and three train steps (two train-step programs, shared with
 tests/test_pipeline_checkpoint.py's round trip through the persistent compilation cache).
 """
+import dataclasses
 import math
 import os
 import re
@@ -36,6 +37,7 @@ from flax import nnx
 from helpers import randomize, rel
 
 from k3jax import config as C
+from k3jax.compile import abstract_cache, compile_decode
 from k3jax import model as M
 from k3jax import sharding as S
 from k3jax import stages as ST
@@ -80,8 +82,11 @@ def assert_tree_close(got, want, what, total_tol=TOTAL_TOL, leaf_tol=LEAF_TOL):
 
 
 def canonical(tree, stages):
-    """A layout-or-model tree with its periods back in layer order."""
-    return dict(tree, periods=ST.to_canonical(tree["periods"], stages)) if stages > 1 else tree
+    """A layout-or-model tree with its periods back in layer order (memory index s*R + r holds
+    period r*S + s: ``stages.stage_major``, inverted here on its own)."""
+    if stages == 1:
+        return tree
+    return dict(tree, periods=jax.tree.map(lambda x: x[np.argsort(ST.stage_major(x.shape[0], stages))], tree["periods"]))
 
 
 def make_weights(*args, seed=1, rows=B):
@@ -112,7 +117,8 @@ def placed(cfg, canon_model, *, optimizer=False):
     stages = mesh.shape.get("stage", 1)
     src = nnx.clone(canon_model)
     if stages > 1:
-        nnx.update(src.periods, ST.to_stage_major(nnx.state(src.periods), stages))
+        nnx.update(src.periods, jax.tree.map(lambda x: x[ST.stage_major(x.shape[0], stages)],
+                                             jax.device_get(nnx.state(src.periods))))
     m = nnx.merge(gdef, state["params"], state["rest"])
     nnx.update(m, jax.device_put(nnx.state(src), jax.tree.map(lambda x: x.sharding, nnx.state(m))))
     _, state["params"], state["rest"] = nnx.split(m, nnx.Param, REST)
@@ -124,13 +130,17 @@ def placed(cfg, canon_model, *, optimizer=False):
     return mesh, gdef, jax.block_until_ready(state), tx
 
 
-def grads_program(gdef):
-    """jit((params, rest, batch, cot, fill) -> (hidden, aux, grads)): sum(hidden * cot) differentiated."""
+def grads_program(gdef, pipe):
+    """jit((params, rest, batch, cot, fill) -> (hidden, aux, grads)): sum(hidden * cot) differentiated,
+    the periods run by ``pipe`` (``stages.pipeline_of``; None: the scan) with its buffers filled with
+    ``fill`` before data reaches them."""
     def f(params, rest, batch, cot, fill):
+        periods = None if pipe is None else dataclasses.replace(pipe, fill=fill)
+
         def loss(params):
             m = nnx.merge(gdef, params, rest)
             h, aux, _ = m.hidden(batch["tokens"], batch["segment_ids"], batch["positions"], compute_aux=True,
-                                 bubble_fill=fill)
+                                 periods=periods)
             return jnp.sum(h * cot), (h, aux)
         (_, (h, aux)), g = jax.value_and_grad(loss, has_aux=True)(params)
         return h, aux, g
@@ -147,7 +157,7 @@ def run_grads(cfg, weights, fills=(0.0,), rows=B):
     with jax.set_mesh(mesh):
         args = (state["params"], state["rest"], jax.device_put(batch, S.batch_sharding(mesh)),
                 jax.device_put(cot, S.batch_sharding(mesh, 3)))
-        compiled = grads_program(gdef).lower(*args, 0.0).compile()
+        compiled = grads_program(gdef, ST.pipeline_of(cfg)).lower(*args, 0.0).compile()
         outs = []
         for fill in fills:
             h, aux, g = jax.device_get(compiled(*args, jnp.float32(fill)))
@@ -245,7 +255,7 @@ def test_config_errors_and_aliases(capsys):
     C.validate(load(*PIPE), num_devices=8)
     model = nnx.eval_shape(lambda: M.build(load(*PIPE), nnx.Rngs(0)))
     with pytest.raises(C.ConfigError, match="decode and serve run without pipeline stages"):
-        model.cache_spec(1, 16)
+        abstract_cache(model, S.make_mesh(load(*PIPE)), 1, 16)
     capsys.readouterr()
     cfg = load("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
     assert cfg.mesh.ici_stage_parallelism == 2
@@ -264,8 +274,8 @@ def test_refusals_are_one_line():
              (lambda: load(*PIPE, "vision_enabled=true"), "vision tower")]
     model = nnx.eval_shape(lambda: M.build(load(*PIPE), nnx.Rngs(0)))
     mesh = S.make_mesh(load(*PIPE))
-    cases += [(lambda: model.cache_spec(2, 16), "decode and serve run without pipeline stages"),
-              (lambda: model.decode_step(jnp.zeros((2,), jnp.int32), None, 0, 0), "decode and serve"),
+    cases += [(lambda: abstract_cache(model, mesh, 2, 16), "decode and serve run without pipeline stages"),
+              (lambda: compile_decode(load(*PIPE), mesh), "decode and serve"),
               (lambda: Programs(model, mesh, slots=2, length=16, chunk=8), "decode and serve")]
     for make, match in cases:
         with pytest.raises(C.ConfigError, match=match) as e:

@@ -13,7 +13,7 @@ Adam's second moment of a prefix KDA ``A_log``, a squared small gradient) and 0 
 biases (a sign update) (this 2-core host, 2026-12-07; against fsdp=8 with 2 microbatches, before
 issue 49: 7.1e-6, 6.9e-8 / 2.0e-6, 3.7e-7 / 1.6e-4, 0). Bounds: STEP_TOL 5e-5 per metric, TREE_TOL 1e-5 per tree, LEAF_TOL
 1e-3 per leaf. The permutations themselves are exact and checked bitwise: what the stage=2 run
-saved, read back at stage 1, equals its state put in layer order by ``stages.to_canonical``.
+saved, read back at stage 1, equals its state put in layer order by inverting ``stages.stage_major``.
 
 The bitwise checks without train steps (test_checkpoints_in_layer_order_move_between_stage_counts)
 move a checkpoint between stage=2 x fsdp=4 and fsdp=8; the three-step round trip runs the train
@@ -50,9 +50,11 @@ def host(state):
 
 
 def layer_ordered(tree):
-    """Every leaf under a 'periods' node of a host tree put in layer order with stages.to_canonical."""
+    """Every leaf under a 'periods' node of a host tree put in layer order: memory index s*R + r holds
+    period r*S + s (``stages.stage_major``), inverted here on its own, not by ``reorder_state``."""
+    back = np.argsort(ST.stage_major(PERIODS, STAGES))
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: ST.to_canonical(x, STAGES) if "['periods']" in jax.tree_util.keystr(p) else x, tree)
+        lambda p, x: x[back] if "['periods']" in jax.tree_util.keystr(p) else x, tree)
 
 
 def assert_equal(got, want, what):
@@ -81,7 +83,7 @@ def test_reorder_refuses_unstacked_period_leaf():
     with pytest.raises(ValueError, match=r"\['periods'\]\['w'\] lies under 'periods' but its shape \(1,\)"):
         ST.reorder_state(tree, STAGES, PERIODS, to="canonical")
     moved = ST.reorder_state({"periods": np.arange(PERIODS), "x": np.arange(3)}, STAGES, PERIODS, to="canonical")
-    np.testing.assert_array_equal(moved["periods"], ST.to_canonical(np.arange(PERIODS), STAGES))
+    np.testing.assert_array_equal(moved["periods"], np.argsort(ST.stage_major(PERIODS, STAGES)))
 
 
 def test_checkpoints_in_layer_order_move_between_stage_counts(weights, tmp_path):

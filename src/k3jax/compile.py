@@ -43,7 +43,7 @@ from k3jax.loss import resolve_loss_impl
 from k3jax.feed import token_sharding
 from k3jax.inference.batch_prefill import prefill
 from k3jax.inference.programs import Programs
-from k3jax.sharding import batch_sharding, make_mesh, sharding_for
+from k3jax.sharding import batch_sharding, make_mesh, refuse_stages, sharding_for
 from k3jax.state import abstract_state
 from k3jax.step import check_batch, jit_train_step
 from k3jax.data.media_layout import ARRAY_KEYS, media_layout
@@ -97,6 +97,7 @@ def media_plan(cfg) -> dict | None:
 
 def abstract_cache(model, mesh, batch: int, length: int):
     """Decode cache of ``length`` slots for ``batch`` rows, sharded by its logical axes."""
+    refuse_stages(mesh)
     spec = model.cache_spec(batch, length)
     leaf = lambda x: isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)  # noqa: E731
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], s[1], sharding=sharding_for(mesh, s[0], s[2])),

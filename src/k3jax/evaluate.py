@@ -52,6 +52,7 @@ from k3jax.data.sources import DataError, JsonlSource
 from k3jax.data.vision_processor import from_config
 from k3jax.feed import host_feed, token_sharding
 from k3jax.loss import chunked_row_losses
+from k3jax.stages import pipeline_of
 from k3jax.vision.splice import slot_loss_mask
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,15 @@ def eval_rows(cfg, num_devices: int) -> int:
 
 def make_eval_step(cfg, gdef):
     """(params, rest, batch) -> per-row (loss sum [B], target tokens [B], correct [B]), f32. A batch
-    with ``"media"`` splices them in and takes no loss on targets that are media slots."""
+    with ``"media"`` splices them in and takes no loss on targets that are media slots. With pipeline
+    stages the forward runs through the training step's pipeline (``stages.pipeline_of``)."""
+    periods = pipeline_of(cfg)
+
     def step(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
         media = batch.get("media")
-        h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"], media=media)
+        h, _, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"], media=media,
+                               periods=periods)
         mask = batch["loss_mask"]
         if media is not None:
             mask = slot_loss_mask(mask, media["slots"])

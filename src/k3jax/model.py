@@ -27,10 +27,7 @@ from k3jax.layers.kda import KDA, kda_cache_shapes
 from k3jax.layers.mla import MLA, mla_cache_shapes
 from k3jax.layers.moe import MoE
 from k3jax.layout import Layout, Site, layout, period_kinds
-from k3jax.schema import ConfigError
 from k3jax.sharding import constrain
-from k3jax.stages import pipeline_periods, to_stage_major
-from k3jax.validation import num_stages, pipeline_microbatches
 from k3jax.vision.splice import splice
 from k3jax.vision.tower import VisionEncoder
 
@@ -151,19 +148,13 @@ class Period(nnx.Module):
 
 class K3Model(nnx.Module):
     def __init__(self, cfg, kcfg, rngs: nnx.Rngs, *, scan: bool = True, segment_scan: bool = False,
-                 dtype=jnp.float32, compute_dtype=jnp.float32, vision=None, stages: int = 1,
-                 microbatches: int = 1, gather_once: bool = False, block_cache: bool = True):
+                 dtype=jnp.float32, compute_dtype=jnp.float32, vision=None):
         """``vision``: a VisionConfig with ``vision_enabled`` adds the tower and projector as
         ``self.vision`` (params["vision"]: the converter's ``CKPT/vision`` tree), built after the
         text layers; None or disabled leaves the text model and its parameter tree as they are.
-        ``stages`` > 1: the periods run as a pipeline of that many stages with ``microbatches``
-        microbatches (k3jax.stages); their stacked leaves are then held in the stage-major order
-        ``stages.stage_major`` (``build`` puts them so), not in layer order. ``gather_once``: each
-        stage gathers its period weights once per step (``pipeline_fsdp_ag_once``); ``block_cache``: the
-        cross-stage AttnRes block cache (``pipeline_attn_res_cache``)."""
+        The model knows no pipeline stages: a step that pipelines passes its periods runner to
+        ``hidden(periods=...)`` (k3jax.stages)."""
         self.cfg, self.kcfg, self.compute_dtype = cfg, kcfg, compute_dtype
-        self.stages, self.microbatches, self.gather_once = stages, microbatches, gather_once
-        self.block_cache = block_cache
         self.segment_scan = segment_scan
         self.layout: Layout = layout(cfg, scan)
         d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
@@ -362,12 +353,13 @@ class K3Model(nnx.Module):
 
     # -- sequence forward ------------------------------------------------------------------------
     def hidden(self, tokens, segment_ids=None, positions=None, *, remat="none",
-               compute_aux: bool = False, return_cache: bool = False, media=None, bubble_fill=0.0):
+               compute_aux: bool = False, return_cache: bool = False, media=None, periods=None):
         """tokens [B,T] -> (final hidden [B,T,D], aux, caches); aux and caches are layout trees
         (caches' entries None unless ``return_cache``). ``media``: see ``embed_media``. ``remat``: a
         REMAT_POLICIES key or ``k3jax.remat.Custom`` (names kept on device / offloaded to host).
-        ``bubble_fill``: what the pipeline's buffers hold before data reaches them (stages > 1; a
-        test passes NaN to show that bubble iterations change nothing)."""
+        ``periods``: a runner of the scanned periods in place of the scan, called as
+        ``periods(gdef, state, res, segment_ids=, positions=, compute_aux=, remat=, policy=)`` (the
+        pipeline: ``k3jax.stages.pipeline_of``; the periods' leaves are then in its memory order)."""
         b, t = tokens.shape
         segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
@@ -378,15 +370,13 @@ class K3Model(nnx.Module):
                                     **flags)
             return res, (aux, cache)
 
-        periods = None
-        if self.stages > 1 and self.layout.num_periods:
+        run = None
+        if periods is not None and self.layout.num_periods:
             if return_cache:
-                raise ValueError("return_cache with pipeline stages: prefill runs without stages")
-            periods = functools.partial(pipeline_periods, self, segment_ids=segment_ids, positions=positions,
-                                        compute_aux=compute_aux, remat=remat,
-                                        policy=remat_policy(remat), fill=bubble_fill,
-                                        gather_once=self.gather_once, block_cache=self.block_cache)
-        res, outs = self._walk(res, step, remat=remat, periods=periods)
+                raise ValueError("return_cache with a periods runner (pipeline stages): prefill runs without stages")
+            run = functools.partial(periods, segment_ids=segment_ids, positions=positions, compute_aux=compute_aux,
+                                    remat=remat, policy=remat_policy(remat))
+        res, outs = self._walk(res, step, remat=remat, periods=run)
         aux = self.layout.map(lambda _, o: o[0], outs)
         caches = self.layout.map(lambda _, o: o[1], outs)
         return self.final_hidden(res), aux, caches
@@ -402,7 +392,6 @@ class K3Model(nnx.Module):
     def cache_spec(self, batch: int, length: int):
         """Layout tree of the decode cache: per leaf (shape, dtype, logical axes)."""
         c = self.cfg
-        self._no_stages()
 
         def one(site: Site):
             shapes = (kda_cache_shapes(c, batch) if c.mixer(site.layer) == "kda"
@@ -412,18 +401,12 @@ class K3Model(nnx.Module):
 
         return self.layout.map(one)
 
-    def _no_stages(self):
-        if self.stages > 1:
-            raise ConfigError(f"decode and serve run without pipeline stages, but this model has {self.stages}; set "
-                              f"ici_stage_parallelism=1 dcn_stage_parallelism=1")
-
     def _logits(self, h):
         return jnp.einsum("bd,dv->bv", h, self.head_weight().astype(h.dtype), preferred_element_type=jnp.float32)
 
     def decode_step(self, tokens, cache, pos, start):
         """tokens [B] at cache slot ``pos`` (a scalar for rows aligned by left padding, or [B]: each
         row at its own slot, as in a continuous batch) -> (logits [B,V] f32, new cache)."""
-        self._no_stages()
         res = self._initial_residual(self.embed(tokens[:, None]))
 
         def step(layer, res, flags, c):
@@ -441,7 +424,6 @@ class K3Model(nnx.Module):
         logits of every position instead, [B,T,V] f32 (the server's prompt log-probabilities).
         ``embeddings``: the chunk's input rows [B,T,D] in place of ``embed(tokens)`` (image rows
         spliced at media pads by the server)."""
-        self._no_stages()
         res = self._initial_residual(self.embed(tokens) if embeddings is None else embeddings)
 
         def step(layer, res, flags, c):
@@ -471,9 +453,7 @@ def _sampler(cfg, seed: int):
 def _construct(cfg, rngs):
     return K3Model(cfg.model, cfg.kernel, rngs, scan=cfg.train.scan_layers,
                    segment_scan=cfg.train.attn_res_segment_scan, dtype=jnp.dtype(cfg.train.weight_dtype),
-                   compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None),
-                   stages=num_stages(cfg), microbatches=pipeline_microbatches(cfg),
-                   gather_once=cfg.train.pipeline_fsdp_ag_once, block_cache=cfg.train.pipeline_attn_res_cache)
+                   compute_dtype=jnp.dtype(cfg.train.dtype), vision=getattr(cfg, "vision", None))
 
 
 def text_only(cfg):
@@ -487,12 +467,9 @@ def text_only(cfg):
 def build(cfg, rngs: nnx.Rngs | int = 0) -> K3Model:
     """Construct the model from a full Config (dtypes, scan flag and kernels from its sections).
     An int seed picks the sampler by size (see ``_sampler``); an nnx.Rngs uses per-leaf keys.
-    With pipeline stages the periods are drawn in layer order (the same values as without stages)
-    and then put in the stage-major order the pipeline holds them in (k3jax.stages)."""
-    model = _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
-    if model.stages > 1 and model.layout.num_periods:
-        nnx.update(model.periods, to_stage_major(nnx.state(model.periods), model.stages))
-    return model
+    The periods are in layer order whatever the stage count (the same values as without stages);
+    the state boundary (k3jax.state) puts them in a pipeline's memory order."""
+    return _construct(cfg, _sampler(cfg, rngs) if isinstance(rngs, int) else rngs)
 
 
 def count_params(state) -> int:

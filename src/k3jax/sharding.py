@@ -269,3 +269,12 @@ def maybe_initialize_distributed(cfg: Config) -> None:
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
+
+
+def refuse_stages(mesh) -> None:
+    """Decode and serve run without pipeline stages (the model's periods run as one scan): one
+    error line when ``mesh`` has a ``stage`` axis of size > 1."""
+    n = dict(mesh.shape).get(STAGE_AXIS, 1) if mesh is not None else 1
+    if n > 1:
+        raise ConfigError(f"decode and serve run without pipeline stages, but the mesh has {n} stages; set "
+                          f"ici_stage_parallelism=1 dcn_stage_parallelism=1")

@@ -28,7 +28,13 @@ Parameters: the periods' stacked leaves are held stage-major (``stage_major``: m
 holds period r*S + s), so splitting the stacked axis over ``stage`` (k3jax.sharding.param_sharding)
 gives each stage its own periods in visit order, and nothing but activations crosses stages. The
 side outputs come back in the same order, so QK-clip and the router-bias update stay elementwise.
-``to_canonical`` / ``to_stage_major`` convert to and from layer order (what a checkpoint stores).
+``reorder_state`` converts a state to and from layer order (what a checkpoint stores and what
+``model.build`` draws) at the state boundary (k3jax.state).
+
+Applied from outside the model, as torchtitan applies its pipeline: ``K3Model`` knows no stages.
+``pipeline_of(cfg)`` is the periods runner (a ``Pipeline``, or None without stages) that the train
+step and the eval step pass to ``K3Model.hidden(periods=...)``, which hands it the periods' split
+state and the residual state after the prefix layers.
 
 Bubbles: an iteration outside the schedule computes on zeros (its input is replaced, so nothing the
 buffers held reaches the layers: not even NaN) and its side outputs are masked: MLA max logits by
@@ -43,13 +49,18 @@ scan's body is (its saved residual is the microbatch state it starts from); the 
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from k3jax.layout import layout
 from k3jax.sharding import EXPERT_AXIS, param_sharding
+from k3jax.validation import num_stages, pipeline_microbatches
 
 STAGE = "stage"
 
@@ -60,16 +71,6 @@ def stage_major(num_periods: int, stages: int) -> np.ndarray:
         raise ValueError(f"{stages} stages do not divide {num_periods} periods")
     r = num_periods // stages
     return np.array([i * stages + s for s in range(stages) for i in range(r)])
-
-
-def to_stage_major(tree, stages: int):
-    """Leaves stacked over the periods in layer order -> the pipeline's memory order."""
-    return jax.tree.map(lambda x: x[stage_major(x.shape[0], stages)], tree)
-
-
-def to_canonical(tree, stages: int):
-    """The pipeline's memory order -> layer order (inverse of ``to_stage_major``)."""
-    return jax.tree.map(lambda x: x[np.argsort(stage_major(x.shape[0], stages))], tree)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int) -> float:
@@ -176,26 +177,52 @@ def cache_depth(flags: np.ndarray, stages: int) -> int:
     return max([1] + [int(starts[max(0, p - stages + 1):p].sum()) for p in range(1, len(starts))])
 
 
-def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
-                     remat: str = "none", policy=None, fill=0.0, gather_once: bool = False,
-                     block_cache: bool = True):
-    """Run the periods of ``model`` (a K3Model with ``stages`` > 1) as the pipeline.
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The periods as a pipeline of ``stages`` stages and ``microbatches`` microbatches: the runner
+    ``K3Model.hidden(periods=...)`` calls in place of its scan (``pipeline_of`` builds it from a config).
 
-    gdef, state: ``nnx.split(model.periods)`` (leaves [P, ...] in memory order, split over ``stage``);
-    res: the residual state after the prefix layers (rows B); segment_ids, positions [B, T].
-    ``policy``: the remat policy of ``remat`` (``model.remat_policy``).
-    ``fill``: what the hand-off and circular buffers hold before data reaches them (0; a test passes
-    NaN). ``gather_once`` (``pipeline_fsdp_ag_once``): each stage all-gathers its period weights
-    over the in-stage parameter axes once, before the schedule (``_gathered_specs``), instead of
-    GSPMD gathering them inside every iteration. ``block_cache`` (``pipeline_attn_res_cache``;
-    AttnRes only): a hop carries the partial sum and the K newest blocks (``cache_depth``) instead of
-    the whole block buffer; each stage keeps every microbatch's buffer as it last saw it, and the
-    last stage's copies are the output buffers. Returns (res after the last period, [(aux of layer
-    j of the period, None)] with aux leaves stacked [P, ...] in memory order), as the flat scan of
-    ``K3Model._walk`` returns them.
-    """
-    n_stages, n_micro, lay = model.stages, model.microbatches, model.layout
-    n_periods = lay.num_periods
+    ``flags``: [periods, layers per period] AttnRes block starts in layer order (``block_flags``).
+    ``gather_once`` (``pipeline_fsdp_ag_once``): each stage all-gathers its period weights over the
+    in-stage parameter axes once, before the schedule (``_gathered_specs``), instead of GSPMD
+    gathering them inside every iteration. ``block_cache`` (``pipeline_attn_res_cache``; AttnRes
+    only): a hop carries the partial sum and the K newest blocks (``cache_depth``) instead of the
+    whole block buffer; each stage keeps every microbatch's buffer as it last saw it, and the last
+    stage's copies are the output buffers. ``fill``: what the hand-off and circular buffers hold
+    before data reaches them (0; a test passes NaN, traced)."""
+    stages: int
+    microbatches: int
+    flags: np.ndarray
+    gather_once: bool = False
+    block_cache: bool = True
+    fill: Any = 0.0
+
+    def __call__(self, gdef, state, res, *, segment_ids, positions, compute_aux: bool = False,
+                 remat: str = "none", policy=None):
+        """gdef, state: ``nnx.split`` of the model's periods (leaves [P, ...] in memory order, split
+        over ``stage``); res: the residual state after the prefix layers (rows B); segment_ids,
+        positions [B, T]. ``policy``: the remat policy of ``remat`` (``model.remat_policy``).
+        Returns (res after the last period, [(aux of layer j of the period, None)] with aux leaves
+        stacked [P, ...] in memory order), as the flat scan of ``K3Model._walk`` returns them."""
+        return _run(self, gdef, state, res, segment_ids=segment_ids, positions=positions,
+                    compute_aux=compute_aux, remat=remat, policy=policy)
+
+
+def pipeline_of(cfg) -> Pipeline | None:
+    """The periods runner of ``cfg`` (None without pipeline stages or scanned periods)."""
+    lay = layout(cfg.model, cfg.train.scan_layers)
+    stages = num_stages(cfg)
+    if stages == 1 or not lay.num_periods:
+        return None
+    return Pipeline(stages, pipeline_microbatches(cfg), block_flags(cfg.model, lay),
+                    gather_once=cfg.train.pipeline_fsdp_ag_once, block_cache=cfg.train.pipeline_attn_res_cache)
+
+
+def _run(pipe: Pipeline, gdef, state, res, *, segment_ids, positions, compute_aux, remat, policy):
+    """``Pipeline.__call__``: the schedule of the module docstring."""
+    n_stages, n_micro, flags = pipe.stages, pipe.microbatches, pipe.flags
+    gather_once, block_cache, fill = pipe.gather_once, pipe.block_cache, pipe.fill
+    n_periods = flags.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get(STAGE, 1) != n_stages:
         raise ValueError(f"the pipeline of {n_stages} stages runs under a mesh with a '{STAGE}' axis of that size "
@@ -205,7 +232,6 @@ def pipeline_periods(model, gdef, state, res, *, segment_ids, positions, compute
                          f"rows: stages must divide periods and microbatches, microbatches the rows")
     repeats = n_periods // n_stages
     order = stage_major(n_periods, n_stages)
-    flags = block_flags(model.cfg, lay)
     starts_before = np.concatenate([[0], np.cumsum(flags.sum(1))[:-1]]).astype(np.int32)
     flag_tab = jnp.asarray(flags[order].reshape(n_stages, repeats, -1))
     n_tab = jnp.asarray(starts_before[order].reshape(n_stages, repeats))
@@ -365,7 +391,7 @@ def reorder_state(tree, stages: int, num_periods: int, to: str):
     leaves = [x for _, x in flat]
     moved = [leaves[i] for i in picked]
     order = period_order(num_periods, stages, to)
-    if all(isinstance(x, jax.Array) for x in moved):
+    if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in moved):
         permute = jax.jit(_gather, static_argnums=1, donate_argnums=0, out_shardings=[x.sharding for x in moved])
         moved = permute(moved, tuple(order.tolist()))
     else:

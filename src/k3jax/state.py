@@ -16,8 +16,10 @@ so their metadata (logical axes, matrix axes) travels with them to the optimizer
 
 With pipeline stages the scanned periods' stacked leaves sit stage-major in memory (k3jax.stages);
 checkpoints and ``load_parameters_path`` hold them in layer order whatever the stage count.
-``layer_order`` / ``memory_order`` convert a state between the two, donating what they move;
-``restore_state`` returns memory order, and the train loop converts around each save.
+``layer_order`` / ``memory_order`` convert a state between the two, donating what they move (the
+one place the model's state changes order: ``model.build`` draws in layer order and knows no
+stages); ``init_state`` and ``restore_state`` return memory order, and the train loop converts
+around each save.
 """
 from __future__ import annotations
 
@@ -100,9 +102,9 @@ def init_state(cfg, mesh, *, seed: int | None = None, optimizer: bool = False):
     gdef, abstract, _ = abstract_state(cfg, mesh)
     target = shardings(abstract)
 
-    def init():
+    def init():     # drawn in layer order, held in the pipeline's memory order (k3jax.stages)
         _, params, rest = nnx.split(M.build(cfg, seed), nnx.Param, REST)
-        return {"params": params, "rest": rest}
+        return memory_order(cfg, {"params": params, "rest": rest})
 
     if M.count_params(abstract["params"]) <= M.FLAT_INIT_MAX_PARAMS:
         state = jax.device_put(init(), target)

@@ -23,6 +23,7 @@ from k3jax.loss import (choose_vocab_axes, chunked_cross_entropy, resolve_loss_i
 from k3jax.optim.qk_clip import qk_clip
 from k3jax.remat import spec as remat_spec
 from k3jax.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS, VOCAB_PARALLEL_AXES, stage_rows
+from k3jax.stages import pipeline_of
 from k3jax.vision.splice import slot_loss_mask
 
 
@@ -115,12 +116,14 @@ def make_train_step(cfg, gdef, tx):
     t = cfg.train
     check_trainable(cfg)
     cross_entropy = make_loss(cfg)
+    periods = pipeline_of(cfg)          # the pipeline over the stage axis, or None (k3jax.stages)
 
     def loss_fn(params, rest, batch):
         model = nnx.merge(gdef, params, rest)
         media = batch.get("media")      # k3jax.data.media.MediaInputs.arrays(), or absent
         h, aux, _ = model.hidden(batch["tokens"], batch["segment_ids"], batch["positions"],
-                                 remat=remat_spec(t), compute_aux=t.moe_aux_loss_coef > 0, media=media)
+                                 remat=remat_spec(t), compute_aux=t.moe_aux_loss_coef > 0, media=media,
+                                 periods=periods)
         mask = batch["loss_mask"]
         if media is not None:
             mask = slot_loss_mask(mask, media["slots"])

@@ -60,7 +60,7 @@ from k3jax.inference.lazy import Lazy
 from k3jax.inference.media_programs import MediaPrograms
 from k3jax.inference.prefix_programs import PrefixPrograms
 from k3jax.inference.sampling import ban_left, logprobs, sample_rows_lp
-from k3jax.sharding import sharding_for
+from k3jax.sharding import refuse_stages, sharding_for
 
 TOP_LOGPROBS = 20   # OpenAI's upper bound for chat top_logprobs (completions allow 5)
 MIN_BUCKET = 32
@@ -142,6 +142,7 @@ class Programs(MediaPrograms, PrefixPrograms):
         self.state = (params, rest)
         self.weight_version = 0
         self.compile_s = 0.0
+        refuse_stages(mesh)
         spec = model.cache_spec(slots, length)
         leaves, self._tdef = jax.tree.flatten(spec, is_leaf=_is_spec_leaf)
         self._batch_axis = [axes.index("batch") for _, _, axes in leaves]
