@@ -109,8 +109,8 @@ def batch_arrays(prompts, samples, length: int):
 
 def shuffle_groups(rewards: np.ndarray, num_generations: int, seed: int) -> np.ndarray:
     """The control of ``rl_shuffle_rewards``: rewards [B] in groups of ``num_generations`` -> the same
-    groups, each moved to another group's rows (a random derangement: no group keeps its own; one
-    group stays where it is)."""
+    groups, each moved to another group's rows (a random derangement: no group keeps its own, except a
+    lone group, which has nowhere to go)."""
     groups = rewards.reshape(-1, num_generations)
     n = len(groups)
     order = np.random.default_rng(seed).permutation(n)
