@@ -19,6 +19,7 @@ from helpers import randomize
 from k3jax import compile as K
 from k3jax import config as C
 from k3jax import model as M
+from k3jax import plan as PL
 from k3jax import remat as R
 from k3jax import roofline as RL
 from k3jax import topology as TP
@@ -148,3 +149,9 @@ def test_host_transfer_term_in_the_roofline():
     slow = RL.train_estimate(cfg, 8, 4, v5p, cost, host_bytes=host)
     fast = RL.train_estimate(cfg, 8, 4, v5p, cost)
     assert slow["t_host"] > 0 and slow["tokens_per_s_per_chip"] < fast["tokens_per_s_per_chip"]
+    row = lambda remat, est, host: {"ici_expert_parallelism": 1, "ici_data_parallelism": 1, "remat_policy": remat,  # noqa: E731
+                                    "per_device_batch_size": 2.0, "mesh": "fsdp=4", "global_batch": 8, "estimate": est,
+                                    "memory": {"total": 2**30, "hbm": 95 * 2**30, "fits": True, "host_temporaries": host}}
+    lines = PL.table([row("offload_mixer_out", slow, 3e9), row("save_mixer_out", fast, 0)], 64).splitlines()
+    assert "host GiB" in lines[0] and "save_mixer_out" in lines[2] and "offload_mixer_out" in lines[3]
+    assert lines[3].split()[-2:] == ["2.79", f"{slow['t_host']:.3f}"]
