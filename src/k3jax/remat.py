@@ -6,7 +6,8 @@ The model tags its per-layer residuals with ``jax.ad_checkpoint.checkpoint_name`
 policy is a pair (names saved on device, names offloaded to ``pinned_host``), everything else being
 recomputed in the backward. ``model.remat_policy`` turns the pair into the jax policy
 (``save_and_offload_only_these_names``, as MaxText's ``remat_policy=custom`` with
-``tensors_to_offload``). No jax here, so the config validator can read it.
+``tensors_to_offload``). Only names and config checks here (no jax policy objects), so the config
+validator reads it.
 
 An offloaded tensor is written to host memory in the forward and read back in the backward by async
 copies; XLA:CPU has no host memory apart from its device memory and compiles the offload away, so
@@ -29,7 +30,6 @@ NAMES = {
     "kda_chunk_states": "each KDA layer's chunk-start states, T / kda_chunk_size x [K, V] f32 per head "
                         "(kda_impl auto, chunked, pallas_tpu)",
 }
-KDA_NAMES = ("kda_core_out", "kda_chunk_states")
 CHUNK_STATE_IMPLS = ("auto", "chunked", "pallas_tpu")   # the cores whose custom_vjp saves the states
 
 # remat_policy -> (names saved on device, names offloaded to pinned_host). "none" runs without
