@@ -24,6 +24,12 @@ class UsageError(UserError):
     """A command line that does not parse (a missing or unknown option)."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix; the message is one actionable line. Defined here,
+    below everything, so modules under the config (k3jax.remat) can raise it; k3jax.schema and
+    k3jax.config re-export it."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes are UsageErrors, so ``guard`` reports them on one line and exits 2
     like every other user error (``--help`` still prints the usage and exits 0)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from k3jax.kernels.platform import platform_family
-from k3jax.schema import ConfigError
+from k3jax.errors import ConfigError
 
 # checkpoint_name tags in the model, each once per layer (inside the scanned period body for the
 # scanned layers): name -> what it is.

@@ -7,10 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-from k3jax.errors import UserError
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem the user can fix; the message is one actionable line."""
+from k3jax.errors import ConfigError  # noqa: F401 - re-exported with the schema (modules import it from here)
 
 
 def _f(default, help: str, choices: tuple | None = None):  # noqa: A002 - mirrors argparse
