@@ -56,7 +56,7 @@ MUTANTS = (
            'blocks = jnp.where(flag, jax.lax.dynamic_update_index_in_dim(res["blocks"], 0 * res["partial"], res["n"], 0),',
            ("tests/test_model.py::test_matches_float64_reference",)),
     Mutant("tool_call_args_swapped", "a K3 tool call's argument key and value change places",
-           "src/k3jax/serve/k3_toolcalls.py",
+           "src/k3jax/data/k3_toolcalls.py",
            "call.args[call.key] = _typed(text, call.type)",
            "call.args[text] = call.key",
            ("tests/test_k3_toolcalls.py",)),

@@ -1,4 +1,4 @@
-"""Kimi K3 replies parsed out of generated ids (serve/k3_toolcalls.py): parse(render(x)) == x through
+"""Kimi K3 replies parsed out of generated ids (data/k3_toolcalls.py): parse(render(x)) == x through
 data/k3_chat.py, in one piece and token by token; malformed output as text with a failure reason;
 streaming (calls released at their close tag, text never held except a tag being read);
 tool_choice forcing with the renderer's exact ids. Pure Python, a tiny K3 tokenizer."""
@@ -8,10 +8,10 @@ import re
 import pytest
 
 from k3jax.data import k3_chat, tiny_tokenizer
+from k3jax.data import toolcalls
+from k3jax.data.k3_toolcalls import K3Parser, forced_tokens
 from k3jax.data.messages import content_parts
 from k3jax.data.tokenizer import KimiTokenizer
-from k3jax.serve import toolcalls
-from k3jax.serve.k3_toolcalls import K3Parser, forced_tokens
 
 MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 MARK = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")

@@ -363,7 +363,7 @@ def test_tool_choice_named_on_the_model(served):
     (usage counts them), and streaming and non-streaming return the same parsed message. The
     untrained model's arguments decide the outcome: a call, or (never closed) the forced text back
     as content with finish_reason unchanged and the failure counted."""
-    from k3jax.serve import toolcalls
+    from k3jax.data import toolcalls
 
     c, name, tok = served.client, served.name, served.tok
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "w"}]    # short: 96-token context
@@ -422,7 +422,7 @@ class _ByteTok:
     (("cx",), [3, 4, 0], "", True),
 ])
 def test_text_state_stops_and_utf8(stops, tokens, want, hit):
-    from k3jax.serve.text import TextState
+    from k3jax.data.reply_text import TextState
     tok = _ByteTok([b"a", b"b\xc3", b"\xa9", b"c", b"x"])
     ts = TextState(tok, stops)
     out, ended = "", False

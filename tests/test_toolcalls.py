@@ -1,4 +1,4 @@
-"""Tool calls and thinking parsed out of generated ids (serve/toolcalls.py): parse(render(x)) == x
+"""Tool calls and thinking parsed out of generated ids (data/toolcalls.py): parse(render(x)) == x
 through each template family's renderer, malformed output as text, tool_choice forcing, and the HTTP
 shapes (message.tool_calls, streamed delta.tool_calls, reasoning_content, the 400s) through the real
 routes over a scripted engine that replays token ids (no model: nothing compiles)."""
@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from k3jax.data import chat_template, tiny_tokenizer
+from k3jax.data import toolcalls
 from k3jax.data.tokenizer import KimiTokenizer
-from k3jax.serve import toolcalls
 from k3jax.serve.api import create_app
 from k3jax.serve.engine import Event
 from k3jax.serve.metrics import ServeMetrics
@@ -394,7 +394,7 @@ def test_http_harmless_fields_are_ignored(scripted):
     assert e.value.body["param"] == "best_of"
 
 
-# -- HTTP with a K3 tokenizer: K3's XTML format (data/k3_chat.py, serve/k3_toolcalls.py) -----------------
+# -- HTTP with a K3 tokenizer: K3's XTML format (data/k3_chat.py, data/k3_toolcalls.py) -----------------
 USER = [{"role": "user", "content": "weather?"}]
 
 

@@ -1,6 +1,8 @@
 """Input side of k3jax: Kimi tokenizer, chat template, SFT rendering and grain pipelines, the
 image processor and the host half of media in the text model (media.py, media_layout.py), and the
-training batches of a config (iterator.py).
+training batches of a config (iterator.py); and the chat format read back from generated ids:
+reply_text.py (detokenisation with stop strings), toolcalls.py (K2-family tool calls and thinking),
+k3_toolcalls.py (K3's XTML replies), shared by the server and RL's rewards.
 
 Python / numpy / grain on the host; jax is asked for the host's process index when the caller does
 not pass one, and turns packed media into device arrays (``media.MediaInputs.arrays``); the device

@@ -1,8 +1,8 @@
 """Rewards for RL on verifiable tasks: built-in verifiers, user ``module:function`` rewards, their
 weighted sum (docs/rl.md).
 
-A completion's ids are read through the server's own parsers (``serve.k3_toolcalls.K3Parser`` for
-K3's format, ``serve.toolcalls.Parser`` for K2's), primed as the server primes them, into a
+A completion's ids are read through the server's own parsers (``data.k3_toolcalls.K3Parser`` for
+K3's format, ``data.toolcalls.Parser`` for K2's), primed as the server primes them, into a
 ``Reply``: the content text, the reasoning, the tool calls, the parser's failures (malformed tool
 sections) and whether the thinking channel was closed. Rewards see the prompt's record (its JSON
 fields) and the reply:
@@ -36,9 +36,9 @@ import numpy as np
 
 from k3jax.config import RLConfig
 from k3jax.data import k3_chat
+from k3jax.data import k3_toolcalls, toolcalls
 from k3jax.data.tokenizer import KimiTokenizer
 from k3jax.errors import UserError
-from k3jax.serve import k3_toolcalls, toolcalls
 from k3jax.validation import rl_reward_specs
 
 

@@ -5,9 +5,6 @@ tool, its keys in its docstring).
 prefix_cache.py  the prefix cache's index (hash-chained blocks, KDA snapshots, LRU)
 media.py     chat image_url parts: data: URIs and allowed http(s) URLs -> processed images, digests
 engine.py    the queue, the slots and the scheduler thread (continuous batching)
-text.py      incremental detokenisation and stop strings
-toolcalls.py the streaming parser of K2-family tool calls and thinking over generated token ids
-k3_toolcalls.py  the same for K3's XTML replies (think / response / tools channels, typed arguments)
 protocol.py  OpenAI request / response bodies
 api.py       create_app: the FastAPI app (its state, routes, error handlers)
 state.py     ServerState: what every route reads (engine, tokenizer, settings), held on the app
@@ -17,5 +14,7 @@ reply.py     a request's choices through the engine: submit, then stream or coll
 metrics.py   Prometheus metrics
 pod.py       steps as fixed-size vectors, broadcast from process 0; the other processes' loop
 main.py      the tool: build (model, programs, engine, app) and run
-The device side (slot cache, compiled programs, sampling) is k3jax.inference. See docs/serving.md.
+The device side (slot cache, compiled programs, sampling) is k3jax.inference; the reply parsers
+(detokenisation with stop strings, K2-family and K3 tool calls and thinking) are k3jax.data's
+reply_text, toolcalls and k3_toolcalls, which RL's rewards read too. See docs/serving.md.
 """

@@ -53,10 +53,10 @@ from typing import Callable
 
 import numpy as np
 
+from k3jax.data.reply_text import TextState
 from k3jax.inference.sampling import pack_ban
 from k3jax.serve.pod import Link, Step, Wire
 from k3jax.serve.prefix_cache import PrefixCache
-from k3jax.serve.text import TextState
 
 
 class QueueFull(Exception):

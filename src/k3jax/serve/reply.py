@@ -13,9 +13,9 @@ import json
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from k3jax.serve import k3_toolcalls
+from k3jax.data import k3_toolcalls
+from k3jax.data import toolcalls
 from k3jax.serve import protocol as proto
-from k3jax.serve import toolcalls
 from k3jax.serve.engine import Draining, QueueFull, Request
 from k3jax.serve.state import ServerState
 

@@ -8,11 +8,11 @@ import asyncio
 
 from fastapi import APIRouter, Request as HttpRequest
 
+from k3jax.data import k3_toolcalls
+from k3jax.data import toolcalls
 from k3jax.data.chat_template import chat_ids, k3_template_kwargs
-from k3jax.serve import k3_toolcalls
 from k3jax.serve import media as mediaio
 from k3jax.serve import protocol as proto
-from k3jax.serve import toolcalls
 from k3jax.serve.reply import answer
 from k3jax.serve.state import ServerState, server
 

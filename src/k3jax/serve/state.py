@@ -11,8 +11,8 @@ import secrets
 from fastapi import Request as HttpRequest
 
 from k3jax.data import k3_chat
+from k3jax.data import toolcalls
 from k3jax.serve import protocol as proto
-from k3jax.serve import toolcalls
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -24,7 +24,7 @@ class ServerState:
     api_key: str | None                  # None: no Authorization header wanted
     metrics: object | None               # serve.metrics.ServeMetrics, or None
     images: dict | None                  # a vision model's image settings (create_app); None = text only
-    k3: bool                             # K3's XTML format (data/k3_chat.py, serve/k3_toolcalls.py)
+    k3: bool                             # K3's XTML format (data/k3_chat.py, data/k3_toolcalls.py)
     grammar: toolcalls.Grammar | None    # K2 / K2.5 / Kimi Linear tool-call markup, if any (None for K3)
     ban_token: int                       # the tool-section opener tool_choice="none" bans (-1: none)
     think_tag: list[int]                 # K3's opening of the think channel ([] for other formats)

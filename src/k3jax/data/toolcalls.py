@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from k3jax.data import k3_chat
-from k3jax.serve.text import TextState
+from k3jax.data.reply_text import TextState
 
 K2_TOOL_TOKENS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                   "<|tool_call_argument_begin|>", "<|tool_call_end|>")

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import regex
 
 from k3jax.data.k3_chat import CLOSE, END_OF_MSG, OPEN, SEP, close_tag, encode, open_tag, unescape
-from k3jax.serve.text import TextState
+from k3jax.data.reply_text import TextState
 
 _NAME = r"[A-Za-z_][\w.\-]*"
 OPEN_TAG = regex.compile(rf'({_NAME})((?: [\w\-]+="[^"]*")*)')
