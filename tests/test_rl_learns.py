@@ -11,10 +11,9 @@ policy, the last record the trained one). The control sets ``rl_shuffle_rewards=
 rewards are given to another prompt's group, same scale and spread, no link to the completions.
 
 Short of the issue's target: it asks for a rise of >= 25 points within the CI budget; 200 steps of this
-run gave +26 and +15 points in two runs on the same host that differ only in the order of the training
-prompts (the first drew them from the 4,000 the script wrote before the asset kept 2,000), and cost
-2.5 to 3 min of CPU per arm (docs/rl.md section 7). The test asserts the rise
-both runs reached, LIFT = 10 points, and the issue's bound on the control.
+run gave +15 points here (+26 and +13 in runs with the prompts in another order or other sampling
+seeds), and the two arms cost 260 s of CPU (docs/rl.md section 7). The test asserts the rise every run
+reached, LIFT = 10 points, and the issue's bound on the control.
 """
 import collections
 import json
